@@ -1,0 +1,30 @@
+"""Architectures, one module per GGUF `general.architecture`, found by name.
+
+Each module exports `ROPE_NEOX`, `ROPE_FREQ_BASE_SWA`, `swa_layers(n_layer, window, metadata)` and
+`Model` (a `models.decoder.Decoder` subclass holding the architecture's choices).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# GGUF architecture name -> module in this package. Aliases share a module.
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "gemma3": "gemma3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def architecture(name: str, path=None) -> ModuleType:
+    from edgellm.errors import UnsupportedArchitectureError
+
+    module = ARCHITECTURES.get(name)
+    if module is None:
+        where = f"{path}: " if path else ""
+        raise UnsupportedArchitectureError(
+            f"{where}architecture '{name}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return importlib.import_module(f"edgellm.models.{module}")

@@ -1,0 +1,21 @@
+"""gemma3: embeddings scaled by sqrt(n_embd); RMSNorm weights used as stored (the GGUF converter has
+already added Gemma's +1); QK-norm; norms after attention and after the FFN; GELU-tanh gated FFN;
+neox RoPE. Five of every six layers attend within a sliding window and use RoPE base 10000; every
+sixth layer (il % 6 == 5) is global with the file's RoPE base and scaling (llama.cpp's pattern).
+The attention scale is 1/sqrt(key_length)."""
+from edgellm.models.decoder import Decoder
+
+ROPE_FREQ_BASE_SWA = 10000.0
+SWA_PERIOD = 6
+
+
+def swa_layers(n_layer: int, window: int, metadata) -> tuple[bool, ...]:
+    if window <= 0:
+        return (False,) * n_layer
+    return tuple(il % SWA_PERIOD < SWA_PERIOD - 1 for il in range(n_layer))
+
+
+class Model(Decoder):
+    ROPE_NEOX = True
+    ACTIVATION = "gelu"
+    EMBED_SCALE = True
