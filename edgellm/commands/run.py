@@ -1,0 +1,78 @@
+"""`edgellm run [MODEL] -p PROMPT`: stream a completion to stdout, a timing summary to stderr.
+Without -p on a terminal it opens the chat UI; without -p with a pipe on stdin it reads the prompt."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edgellm.commands.chat import add_model_arguments, add_sampling_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("-p", "--prompt", default=None, metavar="PROMPT", help="prompt to complete")
+    p.add_argument("-n", "--n-predict", type=int, default=256, metavar="N", help="tokens to generate (default 256)")
+    p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size (default 512)")
+    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type (default f16)")
+    p.add_argument("--vram", default=None, metavar="SIZE", help="GPU memory budget for --gpu-layers auto (e.g. 4GiB)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (with --chat)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the plan and memory (estimate vs measured)")
+    add_sampling_arguments(p)
+
+
+def run(args) -> int:
+    if args.prompt is None and sys.stdin.isatty() and sys.stdout.isatty():
+        from edgellm.commands import chat
+
+        return chat.run(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+
+    import edgellm
+    from edgellm.errors import InvalidArgumentError
+
+    if args.n_predict < -1:
+        raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
+    model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
+                         threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False)
+    if args.verbose:
+        print_plan(model, sys.stderr)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": prompt})
+        prompt = model.render_chat(messages)
+    max_tokens = args.n_predict if args.n_predict >= 0 else model.n_ctx
+    out = sys.stdout
+    for chunk in model.generate(prompt, max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos):
+        out.write(chunk.text)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    print(summary(model.stats), file=sys.stderr)
+    return 0
+
+
+def summary(s) -> str:
+    devices = "  ".join(f"{d} {ms:.1f}" for d, ms in s.device_ms.items())
+    return (f"\nprompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated {s.gen_tokens} tok, "
+            f"{s.gen_tps:.1f} tok/s, {s.tpot_ms:.1f} ms/token | ttft {s.ttft_s * 1000:.0f} ms"
+            + (f" | ms/token: {devices}" if devices else ""))
+
+
+def print_plan(model, f) -> None:
+    from edgellm.memory import format_size
+
+    p = model.plan
+    print(f"plan: {p.layer_map()}", file=f)
+    measured = model.memory()
+    for dev, ledger in p.devices.items():
+        if dev not in measured and not ledger.weights:
+            continue
+        m = measured.get(dev, {})
+        print(f"  {dev}: weights est {format_size(ledger.weights)} / measured {format_size(m.get('weights', 0))}; "
+              f"kv est {format_size(ledger.kv_cache)} / measured {format_size(m.get('kv_cache', 0))}; "
+              f"activations est {format_size(ledger.activations)}; runtime est {format_size(ledger.runtime)}", file=f)

