@@ -1,0 +1,452 @@
+"""The memory ledger and the layer -> device plan. Pure: reads no tensor data, imports no CuPy.
+
+Per device, memory is five terms (design.md, "The memory ledger"):
+
+    weights      exact bytes of the tensors placed there (TensorInfo.nbytes)
+    kv_cache     per layer (head_dim_k + head_dim_v) * n_head_kv * n_ctx_layer * n_seq * bytes(kv_type)
+    activations  the buffers of one forward step of n_batch tokens, by name (`activation_buffers`)
+    runtime      GPU: CUDA context + cuBLAS + allocator; CPU: interpreter, NumPy, Numba (constants below)
+    margin       MARGIN_FRACTION of the first three, at least MARGIN_MIN, on a device that holds anything
+
+Placement follows llama.cpp (src/llama-model.cpp, `i_gpu_start`): the token embedding stays on the CPU
+(a lookup, not a matmul), the output head goes to the GPU first, then the LAST blocks. edgellm counts
+`n_gpu_layers` in blocks: N >= 1 puts the output head and blocks n_layer-N .. n_layer-1 on the GPU
+(llama.cpp counts the head as one more layer, so its -ngl N+1 is edgellm's N). When the output is tied
+to token_embd and goes to the GPU, the GPU holds its own copy of that matrix.
+
+Sliding-window layers: llama.cpp keeps n_ctx cells for them too unless swa_full is off; edgellm's KV
+cache for a sliding layer is a ring of window + n_batch cells (the window plus the batch being written),
+and the planner charges exactly that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from edgellm.errors import InvalidArgumentError, PlanError
+from edgellm.memory import MiB, Budgets, format_size
+
+KV_TYPE_BYTES = {"f16": 2, "f32": 4}
+
+# GPU runtime: the CUDA context (~300-450 MiB of device memory on a current driver with lazy module
+# loading, more on GPUs with many SMs), the cuBLAS handle and workspace (~32-64 MiB) and the rounding
+# of CuPy's memory pool. 512 MiB covers that range; it is charged only when the GPU holds a layer.
+# Not yet measured on this project's GPU machine: scripts/gpu_check.sh is where to measure it.
+GPU_RUNTIME_BYTES = 512 * MiB
+# CPU runtime, measured: RSS of a fresh `python -c "import numpy, numba"` is 92 MiB; after the first
+# parallel Numba function is compiled (LLVM and the threading layer loaded) it is 155 MiB
+# (Python 3.11, numpy 2, numba 0.6x). The JIT cache and tokenizer tables take the rest of the 192.
+CPU_RUNTIME_BYTES = 192 * MiB
+# Host memory the CUDA driver and CuPy take when a GPU is used (pinned staging, driver mappings). An
+# estimate, like GPU_RUNTIME_BYTES, to be measured next to it.
+CUDA_HOST_RUNTIME_BYTES = 256 * MiB
+MARGIN_FRACTION = 0.05  # allocator fragmentation, buffers the model forgot to name
+MARGIN_MIN = 64 * MiB
+
+F32 = 4  # bytes of every activation element
+Q8_BLOCK = (32, 2 + 32)  # activations quantized to Q8_0 for the integer dot products: 32 values per 34 B
+
+
+# ============================================================================ inputs
+@dataclass(frozen=True)
+class WeightSizes:
+    """Exact tensor bytes grouped the way the planner places them."""
+
+    blocks: tuple[int, ...]  # bytes of blk.N.* per block
+    token_embd: int  # stays on the CPU
+    head: int  # output.weight, or token_embd when tied (the GPU then holds its own copy)
+    output_norm: int
+    tied_output: bool
+    n_params: int  # elements of all tensors, for bits per weight
+    other: int = 0  # any other tensor (e.g. llama 3's rope_freqs), kept on the CPU
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Any], n_layer: int) -> "WeightSizes":
+        """From a GGUFFile's tensor table (name -> TensorInfo with .nbytes and .n_elements)."""
+        blocks, other = [0] * n_layer, 0
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layer:
+                blocks[int(parts[1])] += t.nbytes
+            elif name not in ("token_embd.weight", "output.weight", "output_norm.weight"):
+                other += t.nbytes
+        tied = "output.weight" not in tensors
+        head = tensors["token_embd.weight" if tied else "output.weight"].nbytes
+        return cls(
+            blocks=tuple(blocks),
+            token_embd=tensors["token_embd.weight"].nbytes,
+            head=head,
+            output_norm=tensors["output_norm.weight"].nbytes if "output_norm.weight" in tensors else 0,
+            tied_output=tied,
+            n_params=sum(t.n_elements for t in tensors.values()),
+            other=other,
+        )
+
+    @property
+    def total(self) -> int:
+        """Bytes of the file's tensors (a tied head counted once)."""
+        head = 0 if self.tied_output else self.head
+        return sum(self.blocks) + self.token_embd + self.output_norm + head + self.other
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.total / max(self.n_params, 1)
+
+    def scaled(self, factor: float) -> "WeightSizes":
+        """The same model at another quant type, estimated by scaling every tensor's bytes."""
+        return replace(
+            self,
+            blocks=tuple(int(b * factor) for b in self.blocks),
+            token_embd=int(self.token_embd * factor),
+            head=int(self.head * factor),
+        )
+
+
+@dataclass(frozen=True)
+class RunShape:
+    n_ctx: int
+    n_batch: int
+    n_seq: int
+    kv_type: str
+
+    @property
+    def n_tok(self) -> int:
+        """Tokens in one forward step: a prompt batch, never more than the context."""
+        return min(self.n_batch, self.n_ctx)
+
+
+# ============================================================================ the four terms
+def layer_n_ctx(config, il: int, shape: RunShape) -> int:
+    """KV cells of layer il: n_ctx, or window + n_batch for a sliding-window layer (a ring)."""
+    if config.sliding_window > 0 and config.swa_layers[il]:
+        return min(shape.n_ctx, config.sliding_window + shape.n_batch)
+    return shape.n_ctx
+
+
+def kv_cache_bytes(config, il: int, shape: RunShape) -> int:
+    """K and V of one layer: (head_dim_k + head_dim_v) * n_head_kv * n_ctx_layer * n_seq * bytes."""
+    per_cell = (config.head_dim_k + config.head_dim_v) * config.n_head_kv * KV_TYPE_BYTES[shape.kv_type]
+    return per_cell * layer_n_ctx(config, il, shape) * shape.n_seq
+
+
+def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head: bool, is_host: bool,
+                       n_ctx_attn: int) -> dict[str, int]:
+    """Named float32 buffers of one forward step of n_tok = min(n_batch, n_ctx) tokens, in bytes.
+
+    A device that runs blocks allocates the per-layer scratch once and reuses it for every layer; the
+    device with the output head holds the logits; the host always holds the embedded batch and the
+    logits handed back to the caller. `n_ctx_attn` is the longest KV a block on this device attends to.
+    """
+    t, c = shape.n_tok, config
+    q_dim, kv_dim_k, kv_dim_v = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
+    buffers: dict[str, int] = {}
+    if is_host or runs_blocks or holds_head:
+        buffers["hidden"] = t * c.n_embd * F32  # residual stream (n_tok, n_embd)
+    if runs_blocks or holds_head:
+        buffers["normed"] = t * c.n_embd * F32  # rms_norm output (n_tok, n_embd)
+    if runs_blocks:
+        widest = max(c.n_embd, c.n_ff, c.n_head * c.head_dim_v)
+        buffers.update(
+            q=t * q_dim * F32,  # (n_tok, n_head, head_dim_k)
+            k=t * kv_dim_k * F32,  # (n_tok, n_head_kv, head_dim_k), before it is written to the cache
+            v=t * kv_dim_v * F32,  # (n_tok, n_head_kv, head_dim_v)
+            attn_scores=c.n_head * t * n_ctx_attn * F32,  # (n_head, n_tok, n_ctx)
+            attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
+            proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
+            ffn_gate=t * c.n_ff * F32,  # (n_tok, n_ff)
+            ffn_up=t * c.n_ff * F32,  # (n_tok, n_ff)
+            x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
+        )
+    if holds_head or is_host:
+        buffers["logits"] = t * c.n_vocab * F32  # (n_tok, n_vocab)
+    return buffers
+
+
+# ============================================================================ ledger and plan
+@dataclass(frozen=True)
+class Ledger:
+    device: str  # "cpu" | "gpu"
+    weights: int
+    kv_cache: int
+    activations: int
+    runtime: int
+    margin: int
+    budget: int
+    budget_source: str = ""
+    activation_buffers: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.runtime + self.margin
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "weights": self.weights,
+            "kv_cache": self.kv_cache,
+            "activations": self.activations,
+            "runtime": self.runtime,
+            "margin": self.margin,
+            "total": self.total,
+            "budget": self.budget,
+            "budget_source": self.budget_source,
+            "fits": self.fits,
+            "activation_buffers": dict(self.activation_buffers),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: tuple[str, ...]  # "cpu" | "gpu" per block
+    output_device: str
+    n_gpu_layers: int
+    shape: RunShape
+    cpu: Ledger
+    gpu: Ledger
+    notes: tuple[str, ...] = ()  # why the split is what it is
+    remedies: tuple[str, ...] = field(default=(), compare=False)  # when it does not fit, in order
+
+    @property
+    def fits(self) -> bool:
+        return self.cpu.fits and self.gpu.fits
+
+    @property
+    def devices(self) -> dict[str, Ledger]:
+        return {"cpu": self.cpu, "gpu": self.gpu}
+
+    def layer_map(self) -> str:
+        """"blocks 0-9 cpu, 10-29 gpu, output gpu"."""
+        runs, start = [], 0
+        for il in range(1, len(self.layers) + 1):
+            if il == len(self.layers) or self.layers[il] != self.layers[start]:
+                span = f"{start}" if il - 1 == start else f"{start}-{il - 1}"
+                runs.append(f"{span} {self.layers[start]}")
+                start = il
+        return f"blocks {', '.join(runs)}, output {self.output_device}" if runs else f"output {self.output_device}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "n_gpu_layers": self.n_gpu_layers,
+            "output_device": self.output_device,
+            "layers": list(self.layers),
+            "n_ctx": self.shape.n_ctx,
+            "n_batch": self.shape.n_batch,
+            "n_seq": self.shape.n_seq,
+            "kv_type": self.shape.kv_type,
+            "devices": {name: ledger.as_dict() for name, ledger in self.devices.items()},
+            "notes": list(self.notes),
+            "remedies": list(self.remedies),
+        }
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """Runtime constants, overridable for tests and for a machine where they were measured."""
+
+    gpu_runtime: int = GPU_RUNTIME_BYTES
+    cpu_runtime: int = CPU_RUNTIME_BYTES
+    cuda_host_runtime: int = CUDA_HOST_RUNTIME_BYTES
+
+
+def _margin(used: int) -> int:
+    return max(MARGIN_MIN, int(MARGIN_FRACTION * used)) if used else 0
+
+
+def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: RunShape, budgets: Budgets,
+            costs: RuntimeCosts = RuntimeCosts()) -> tuple[Ledger, Ledger]:
+    """(cpu, gpu) ledgers for the head on `output_device` and the last n_gpu blocks on the GPU."""
+    n_layer = config.n_layer
+    first_gpu = n_layer - n_gpu
+    dev_weights = {"cpu": sizes.token_embd + sizes.other, "gpu": 0}
+    dev_kv = {"cpu": 0, "gpu": 0}
+    dev_ctx = {"cpu": 0, "gpu": 0}  # longest KV a block on the device attends to
+    for il in range(n_layer):
+        dev = "gpu" if il >= first_gpu else "cpu"
+        dev_weights[dev] += sizes.blocks[il]
+        dev_kv[dev] += kv_cache_bytes(config, il, shape)
+        dev_ctx[dev] = max(dev_ctx[dev], layer_n_ctx(config, il, shape))
+    # the head: on the CPU a tied head is token_embd itself, already counted
+    head = sizes.head if (output_device == "gpu" or not sizes.tied_output) else 0
+    dev_weights[output_device] += head + sizes.output_norm
+
+    gpu_used = n_gpu > 0 or output_device == "gpu"
+    result = []
+    for dev, budget, source in (("cpu", budgets.cpu, budgets.cpu_source), ("gpu", budgets.gpu, budgets.gpu_source)):
+        buffers = activation_buffers(
+            config, shape, runs_blocks=dev_ctx[dev] > 0, holds_head=output_device == dev, is_host=dev == "cpu",
+            n_ctx_attn=dev_ctx[dev],
+        ) if (dev == "cpu" or gpu_used) else {}
+        activations = sum(buffers.values())
+        if dev == "cpu":
+            runtime = costs.cpu_runtime + (costs.cuda_host_runtime if gpu_used else 0)
+        else:
+            runtime = costs.gpu_runtime if gpu_used else 0
+        used = dev_weights[dev] + dev_kv[dev] + activations
+        result.append(Ledger(dev, dev_weights[dev], dev_kv[dev], activations, runtime, _margin(used), budget, source,
+                             tuple(buffers.items())))
+    return result[0], result[1]
+
+
+def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: int = 1, kv_type: str = "f16",
+         gpu_layers: int | str = 0, budgets: Budgets, check: bool = True,
+         costs: RuntimeCosts = RuntimeCosts()) -> Plan:
+    """Place the layers and account for every byte. `gpu_layers`: 0 | N | -1 (all) | "auto".
+
+    "auto": the output head first, then as many of the last blocks as fit the GPU budget with the
+    margin. An explicit N that does not fit, or any plan whose CPU side does not fit, raises PlanError
+    with the ledger numbers and the remedies when `check` is true; with check=False the plan is
+    returned with fits=False (what `edgellm plan` shows).
+    """
+    if kv_type not in KV_TYPE_BYTES:
+        raise InvalidArgumentError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPE_BYTES)}")
+    if min(n_ctx, n_batch, n_seq) < 1:
+        raise InvalidArgumentError(f"n_ctx, n_batch and n_seq must be >= 1 (got {n_ctx}, {n_batch}, {n_seq})")
+    if len(sizes.blocks) != config.n_layer:
+        raise InvalidArgumentError(f"{len(sizes.blocks)} block sizes given for {config.n_layer} layers")
+    shape = RunShape(n_ctx, n_batch, n_seq, kv_type)
+    n_layer = config.n_layer
+    notes: list[str] = []
+
+    if gpu_layers == "auto":
+        n_gpu, output_device = _auto(config, sizes, shape, budgets, costs, notes)
+    else:
+        try:
+            n = int(gpu_layers)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"gpu_layers must be an integer, -1 or 'auto' (got {gpu_layers!r})") from None
+        if n < -1:
+            raise InvalidArgumentError(f"gpu_layers must be >= -1 (got {n})")
+        n_gpu = n_layer if n == -1 else min(n, n_layer)
+        output_device = "gpu" if n_gpu > 0 else "cpu"
+
+    cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
+    layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
+    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes))
+    if not result.fits:
+        result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs)))
+        if check:
+            raise PlanError(_refusal(result))
+    return result
+
+
+def _auto(config, sizes, shape, budgets, costs, notes: list[str]) -> tuple[int, str]:
+    if budgets.gpu <= 0:
+        notes.append(f"0 GPU layers: no GPU memory to plan for ({budgets.gpu_source}); "
+                     "pass --vram SIZE to plan for one")
+        return 0, "cpu"
+    for n_gpu in range(config.n_layer, -1, -1):  # GPU need only grows with n_gpu: the first fit is the most
+        _, gpu = ledgers(config, sizes, n_gpu, "gpu", shape, budgets, costs)
+        if gpu.fits:
+            if n_gpu < config.n_layer:
+                notes.append(
+                    f"{n_gpu} of {config.n_layer} blocks on the GPU: one more would need "
+                    f"{format_size(ledgers(config, sizes, n_gpu + 1, 'gpu', shape, budgets, costs)[1].total)} "
+                    f"of the {format_size(budgets.gpu)} budget"
+                )
+            return n_gpu, "gpu"
+    _, head_only = ledgers(config, sizes, 0, "gpu", shape, budgets, costs)
+    notes.append(
+        f"0 GPU layers: the GPU budget {format_size(budgets.gpu)} is smaller than the output head alone needs "
+        f"({format_size(head_only.total)} = runtime {format_size(head_only.runtime)} + head "
+        f"{format_size(head_only.weights)} + activations {format_size(head_only.activations)} + margin "
+        f"{format_size(head_only.margin)})"
+    )
+    return 0, "cpu"
+
+
+# ============================================================================ verdict
+# Smaller quant types to suggest, largest first: (name, bits per weight)
+SMALLER_TYPES = (
+    ("Q8_0", 8.5), ("Q6_K", 6.5625), ("Q5_K_M", 5.5), ("Q4_K_M", 4.5), ("Q3_K_M", 3.4375), ("Q2_K", 2.625),
+)
+
+
+def remedies(config, sizes: WeightSizes, p: Plan, budgets: Budgets,
+             costs: RuntimeCosts = RuntimeCosts()) -> list[str]:
+    """What would make `p` fit, in the order of the design's remedies: KV (KV type, context,
+    sequences), then a smaller quant type, then the GPU layer count. Each is tried alone from `p`."""
+    s = p.shape
+
+    def fits(sizes=sizes, n_gpu=p.n_gpu_layers, output_device=p.output_device, shape=s) -> bool:
+        cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
+        return cpu.fits and gpu.fits
+
+    def kv(shape: RunShape) -> str:
+        before = sum(kv_cache_bytes(config, il, s) for il in range(config.n_layer))
+        after = sum(kv_cache_bytes(config, il, shape) for il in range(config.n_layer))
+        return f"KV cache {format_size(before)} -> {format_size(after)}"
+
+    out: list[str] = []
+    if s.kv_type == "f32" and fits(shape=replace(s, kv_type="f16")):
+        out.append(f"--kv-type f16: {kv(replace(s, kv_type='f16'))}")
+    n_ctx = _largest(lambda n: fits(shape=replace(s, n_ctx=n)), s.n_ctx - 1) // 256 * 256
+    if n_ctx:
+        out.append(f"--ctx {n_ctx}: {kv(replace(s, n_ctx=n_ctx))}")
+    n_seq = _largest(lambda n: fits(shape=replace(s, n_seq=n)), s.n_seq - 1)
+    if n_seq:
+        out.append(f"--seqs {n_seq}: {kv(replace(s, n_seq=n_seq))}")
+
+    bpw = sizes.bits_per_weight
+    for name, type_bpw in SMALLER_TYPES:
+        smaller = sizes.scaled(type_bpw / bpw)
+        if type_bpw < 0.97 * bpw and fits(sizes=smaller):
+            out.append(f"a {name} file of this model ({type_bpw:g} bits/weight): weights "
+                       f"{format_size(sizes.total)} -> about {format_size(smaller.total)}")
+            break
+
+    if not p.gpu.fits:  # fewer blocks on the GPU; the head leaves it last
+        for n in range(p.n_gpu_layers - 1, -1, -1):
+            cpu, gpu = ledgers(config, sizes, n, "gpu" if n else "cpu", s, budgets, costs)
+            if cpu.fits and gpu.fits:
+                out.append(f"--gpu-layers {n}: GPU total {format_size(p.gpu.total)} -> {format_size(gpu.total)}")
+                break
+    elif budgets.gpu > 0:  # the CPU is short: more blocks on the GPU
+        for n in range(p.n_gpu_layers + 1, config.n_layer + 1):
+            cpu, gpu = ledgers(config, sizes, n, "gpu", s, budgets, costs)
+            if cpu.fits and gpu.fits:
+                out.append(f"--gpu-layers {n}: CPU total {format_size(p.cpu.total)} -> {format_size(cpu.total)}")
+                break
+    if not out:
+        short = (f"the {d.upper()} needs {format_size(l.total - l.budget)} more" for d, l in p.devices.items()
+                 if not l.fits)
+        out.append("no single change makes it fit: " + ", ".join(short))
+    return out
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [1, hi] with fits(n), assuming fits is monotone decreasing in n; 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _refusal(p: Plan) -> str:
+    parts = []
+    for name, l in p.devices.items():
+        if not l.fits:
+            parts.append(
+                f"{name.upper()} needs {format_size(l.total)} (weights {format_size(l.weights)} + KV "
+                f"{format_size(l.kv_cache)} + activations {format_size(l.activations)} + runtime "
+                f"{format_size(l.runtime)} + margin {format_size(l.margin)}) but the budget is "
+                f"{format_size(l.budget)} ({l.budget_source})"
+            )
+    return (f"the plan ({p.layer_map()}, n_ctx {p.shape.n_ctx}) does not fit: " + "; ".join(parts)
+            + ". Would fit: " + " | ".join(p.remedies))
+
+
+# ============================================================================ from a file
+def plan_for_file(gf, **kwargs) -> Plan:
+    """Plan a GGUFFile from its header alone (metadata and tensor table; no tensor data is read)."""
+    from edgellm.config import ModelConfig
+
+    config = ModelConfig.from_gguf(gf)
+    return plan(config, WeightSizes.from_tensors(gf.tensors, config.n_layer), **kwargs)
