@@ -1,0 +1,363 @@
+"""GPU backend: the ops model code calls (see edgellm.backend_cpu.CPUBackend), on CuPy arrays.
+
+Weight matrices are uploaded once as their raw GGUF blocks, uint8 (n_rows, row_bytes), and stay
+quantized in VRAM. `linear` runs a matrix-vector kernel that dequantizes in registers when there are
+few tokens (decode), and for a prompt batch dequantizes the matrix into one reused float32 buffer and
+calls cupy.matmul (cuBLAS). Activations are float32; the KV cache is float16 by default.
+
+CuPy is imported when a CudaBackend is made, never when this module is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.backend_cpu import KVLayer, QMatrix
+from edgellm.errors import InvalidArgumentError, OutOfMemoryError
+from edgellm.kernels import cuda as _cuda
+from edgellm.quants import quant_type
+
+F32 = np.float32
+MATVEC_ROWS = 4  # warps (rows) per thread block of a matvec kernel
+MATVEC_MAX_TOKENS = 4  # up to this many tokens, linear runs the matvec kernel once per token row
+ELEMENTWISE_THREADS = 256
+NORM_THREADS = 256  # must match NORM_THREADS in norm_rope.cu
+ATTN_THREADS = 8 * 32  # ATTN_WARPS * 32 in attention.cu
+ATTN_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """Where a type's kernels live: module `module`.cu defines matvec_<suffix>, dequantize_<suffix>_f32
+    and dequantize_<suffix>_f16 (see quant_kernels.cuh)."""
+
+    module: str
+    suffix: str
+    chunks: int  # threads per block in the dequantize kernel's launch (Block::chunks)
+
+
+QUANT_KERNELS: dict[GGMLType, QuantKernels] = {
+    GGMLType.F32: QuantKernels("quant_float", "f32", 1),
+    GGMLType.F16: QuantKernels("quant_float", "f16", 1),
+    GGMLType.BF16: QuantKernels("quant_float", "bf16", 1),
+    GGMLType.Q4_0: QuantKernels("quant_legacy", "q4_0", 4),
+    GGMLType.Q4_1: QuantKernels("quant_legacy", "q4_1", 4),
+    GGMLType.Q5_0: QuantKernels("quant_legacy", "q5_0", 4),
+    GGMLType.Q5_1: QuantKernels("quant_legacy", "q5_1", 4),
+    GGMLType.Q8_0: QuantKernels("quant_legacy", "q8_0", 4),
+    GGMLType.Q2_K: QuantKernels("quant_k", "q2_k", 16),
+    GGMLType.Q3_K: QuantKernels("quant_k", "q3_k", 16),
+    GGMLType.Q4_K: QuantKernels("quant_k", "q4_k", 16),
+    GGMLType.Q5_K: QuantKernels("quant_k", "q5_k", 16),
+    GGMLType.Q6_K: QuantKernels("quant_k", "q6_k", 16),
+}
+
+# Every other kernel the backend launches: name -> module.
+OP_KERNELS: dict[str, str] = {
+    "rms_norm_f32": "norm_rope",
+    "rope_f32": "norm_rope",
+    "attention_f16kv": "attention",
+    "attention_f32kv": "attention",
+    "silu_mul_f32": "elementwise",
+    "gelu_mul_f32": "elementwise",
+    "add_f32": "elementwise",
+    "add_row_f32": "elementwise",
+    "scale_f32": "elementwise",
+}
+
+
+def required_kernels() -> dict[str, list[str]]:
+    """module -> the kernel names this backend launches from it (CI checks they all compile)."""
+    out: dict[str, list[str]] = {}
+    for k in QUANT_KERNELS.values():
+        out.setdefault(k.module, []).extend(
+            [f"matvec_{k.suffix}", f"dequantize_{k.suffix}_f32", f"dequantize_{k.suffix}_f16"])
+    for name, module in OP_KERNELS.items():
+        out.setdefault(module, []).append(name)
+    return out
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
+
+
+class CudaKVLayer(KVLayer):
+    """KVLayer whose k, v live in VRAM; `pos_device` mirrors the host `pos` (slot -> position) as int32."""
+
+    def __init__(self, cp, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0):
+        super().__init__(cp, size, n_kv_head, head_dim_k, head_dim_v, dtype, window)
+        self.pos_device = cp.full(size, -1, dtype=cp.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes + self.pos_device.nbytes)
+
+    def clear(self) -> None:
+        super().clear()
+        self.pos_device.fill(-1)
+
+
+class CudaBackend:
+    """Backend ops on one CUDA device. Raises GPUUnavailableError when CuPy or the device is missing."""
+
+    device = "gpu"
+
+    def __init__(self, device_id: int = 0, *, matvec_max_tokens: int = MATVEC_MAX_TOKENS):
+        self.cp = _cuda.require()
+        self.xp = self.cp
+        self.device_id = device_id
+        self.cp.cuda.Device(device_id).use()
+        self.matvec_max_tokens = matvec_max_tokens
+        self._functions: dict[str, object] = {}
+        self._modules: dict[str, object] = {}
+        self._dequant_buffer = None  # float32, flat; the largest matrix dequantized so far
+        self._pinned = None  # (pinned memory, numpy uint8 view) staging for host <-> device copies
+
+    # --- kernels --------------------------------------------------------------------------------
+    def _function(self, module: str, name: str):
+        fn = self._functions.get(name)
+        if fn is None:
+            if module not in self._modules:
+                self._modules[module] = _cuda.load_module(module)
+            fn = self._modules[module].get_function(name)
+            self._functions[name] = fn
+        return fn
+
+    def _launch(self, module: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
+        self._function(module, name)(grid, block, args, shared_mem=shared_mem)
+
+    # --- memory ---------------------------------------------------------------------------------
+    def weight(self, t):
+        """Matrices: raw blocks uploaded once (QMatrix with a cupy uint8 (n_rows, row_bytes) data);
+        vectors (norms, biases): float32 (n,) on the device."""
+        try:
+            if len(t.ne) == 1:
+                return self.cp.asarray(np.ascontiguousarray(t.as_float32().reshape(-1), dtype=F32))
+            return QMatrix(int(t.qtype.ggml_type), self.cp.asarray(np.ascontiguousarray(t.data)), t.n_rows,
+                           t.n_cols, t.name)
+        except self.cp.cuda.memory.OutOfMemoryError as e:
+            free, total = self.cp.cuda.runtime.memGetInfo()
+            raise OutOfMemoryError(
+                f"GPU out of memory uploading {t.name} ({t.nbytes / 2**20:.1f} MiB): {free / 2**20:.0f} MiB "
+                f"free of {total / 2**20:.0f} MiB; use fewer --gpu-layers or a smaller quant type ({e})"
+            ) from None
+
+    def empty(self, shape, dtype=F32):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def kv_layer(self, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0) -> CudaKVLayer:
+        return CudaKVLayer(self.cp, size, n_kv_head, head_dim_k, head_dim_v, dtype, window)
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A pinned host buffer of at least nbytes, reused (grown when too small)."""
+        if self._pinned is None or self._pinned[1].nbytes < nbytes:
+            capacity = max(nbytes, 1 << 16)
+            mem = self.cp.cuda.alloc_pinned_memory(capacity)
+            self._pinned = (mem, np.frombuffer(mem, np.uint8, capacity))
+        return self._pinned[1][:nbytes]
+
+    def from_host(self, x: np.ndarray):
+        """Host array -> device array, through pinned memory; returns once the copy is done."""
+        x = np.ascontiguousarray(x)
+        staged = self._staging(x.nbytes).view(x.dtype).reshape(x.shape)
+        staged[...] = x
+        a = self.cp.empty(x.shape, dtype=x.dtype)
+        a.set(staged)
+        self.cp.cuda.get_current_stream().synchronize()  # the staging buffer is reused next call
+        return a
+
+    def to_host(self, a) -> np.ndarray:
+        """Device array -> new host array, through pinned memory."""
+        a = self.cp.ascontiguousarray(a)
+        staged = self._staging(a.nbytes).view(a.dtype).reshape(a.shape)
+        a.get(out=staged)
+        self.cp.cuda.get_current_stream().synchronize()
+        return staged.copy()
+
+    def synchronize(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def record_event(self):
+        """A CUDA event recorded on the current stream (GPU time = elapsed_ms(start, end))."""
+        event = self.cp.cuda.Event()
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        end.synchronize()
+        return float(self.cp.cuda.get_elapsed_time(start, end))
+
+    def memory_used(self) -> int:
+        """Bytes held by CuPy's memory pool on this device (weights, KV cache, scratch)."""
+        return int(self.cp.get_default_memory_pool().total_bytes())
+
+    # --- quantized products ---------------------------------------------------------------------
+    def dequantize(self, w: QMatrix, out) -> None:
+        """out float32 or float16 (n_rows, n_cols) = W dequantized."""
+        k = QUANT_KERNELS[GGMLType(w.ggml_type)]
+        dtype = "f16" if out.dtype == self.cp.float16 else "f32"
+        n_rows, row_bytes = w.data.shape
+        n_threads = n_rows * (w.n_cols // quant_type(w.ggml_type).block_size) * k.chunks
+        self._launch(k.module, f"dequantize_{k.suffix}_{dtype}", (_blocks(n_threads, ELEMENTWISE_THREADS),),
+                     (ELEMENTWISE_THREADS,), (w.data, out, np.int32(n_rows), np.int32(w.n_cols), np.int64(row_bytes)))
+
+    def matvec(self, w: QMatrix, x, out) -> None:
+        """out (n_tok, n_rows) = x (n_tok, n_cols) @ W.T by the matvec kernel (one warp per row)."""
+        k = QUANT_KERNELS[GGMLType(w.ggml_type)]
+        n_tok = x.shape[0]
+        n_rows, row_bytes = w.data.shape
+        self._launch(k.module, f"matvec_{k.suffix}", (_blocks(n_rows, MATVEC_ROWS), n_tok), (32, MATVEC_ROWS),
+                     (w.data, x, out, np.int32(n_rows), np.int32(w.n_cols), np.int64(row_bytes)))
+
+    def _dense(self, w: QMatrix):
+        """W as float32 (n_rows, n_cols): a view for F32 weights, else dequantized into the reused buffer."""
+        if w.ggml_type == GGMLType.F32:
+            return w.data.view(self.cp.float32).reshape(w.n_rows, w.n_cols)
+        n = w.n_rows * w.n_cols
+        if self._dequant_buffer is None or self._dequant_buffer.size < n:
+            self._dequant_buffer = None  # free the old one before allocating the larger one
+            self._dequant_buffer = self.cp.empty(n, dtype=self.cp.float32)
+        dense = self._dequant_buffer[:n].reshape(w.n_rows, w.n_cols)
+        self.dequantize(w, dense)
+        return dense
+
+    def linear(self, w: QMatrix, x, out) -> None:
+        """out (n_tok, n_rows) = x (n_tok, n_cols) @ W.T"""
+        _check_shape("linear x", x, (x.shape[0], w.n_cols))
+        _check_shape("linear out", out, (x.shape[0], w.n_rows))
+        self._require_contiguous("linear out", out)
+        x = self._contiguous(x)
+        if x.dtype != np.float32:
+            raise InvalidArgumentError(f"linear: x must be float32, got {x.dtype}")
+        if x.shape[0] <= self.matvec_max_tokens:
+            self.matvec(w, x, out)
+        else:
+            self.cp.matmul(x, self._dense(w).T, out=out)
+
+    def embed(self, w: QMatrix, ids: np.ndarray, out) -> None:
+        """out (n_tok, n_embd) = rows `ids` of the embedding matrix, dequantized."""
+        rows = w.data[self.cp.asarray(np.asarray(ids, dtype=np.int64))]
+        self.dequantize(QMatrix(w.ggml_type, self.cp.ascontiguousarray(rows), len(ids), w.n_cols, w.name), out)
+
+    # --- normalization, rotary embedding, attention ---------------------------------------------
+    def rms_norm(self, x, w, eps: float, out) -> None:
+        """Over the last axis: out = x / sqrt(mean(x^2) + eps) * w (w None: no weight). out may be x."""
+        n = x.shape[-1]
+        self._require_contiguous("rms_norm out", out)
+        x2, out2 = self._contiguous(x).reshape(-1, n), out.reshape(-1, n)
+        has_w = w is not None
+        w_arg = w if has_w else x2  # any device pointer; the kernel does not read it
+        if has_w and w.shape != (n,):
+            raise InvalidArgumentError(f"rms_norm weight has shape {w.shape}, expected ({n},)")
+        self._launch("norm_rope", "rms_norm_f32", (x2.shape[0],), (NORM_THREADS,),
+                     (x2, w_arg, np.int32(has_w), out2, np.int32(n), F32(eps), np.int64(x2.strides[0] // 4),
+                      np.int64(out2.strides[0] // 4)))
+
+    def rope(self, x, pos, n_rot: int, freq_base: float, freq_scale: float, neox: bool,
+             freq_factors=None) -> None:
+        """In place on x (n_tok, n_head, head_dim) at positions pos (n_tok,); see norm_rope.cu."""
+        n_tok, n_head, head_dim = x.shape
+        if x.strides[2] != 4 or x.dtype != self.cp.float32:
+            raise InvalidArgumentError("rope needs float32 x with contiguous head dimensions")
+        if n_rot % 2 or not 0 < n_rot <= head_dim:
+            raise InvalidArgumentError(f"n_rot must be even and in 1..head_dim ({head_dim}), not {n_rot}")
+        pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32) if isinstance(pos, np.ndarray) else pos,
+                                dtype=self.cp.int32)
+        theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as backend_cpu.rope_cache computes it
+        has_ff = freq_factors is not None
+        ff = self.cp.asarray(freq_factors, dtype=self.cp.float32) if has_ff else pos_d
+        threads = min(256, 32 * _blocks(n_rot // 2, 32))
+        self._launch("norm_rope", "rope_f32", (n_tok, n_head), (threads,),
+                     (x, pos_d, np.int32(n_rot), theta_scale, F32(freq_scale), np.int32(bool(neox)), ff,
+                      np.int32(has_ff), np.int64(x.strides[0] // 4), np.int64(x.strides[1] // 4)))
+
+    def kv_store(self, kv: CudaKVLayer, k, v, pos: np.ndarray) -> None:
+        """Write k (n_tok, n_kv_head, head_dim_k), v at positions pos into their slots (pos % size)."""
+        slots = kv.slots(np.asarray(pos))
+        slots_d = self.cp.asarray(slots.astype(np.int64))
+        kv.k[slots_d] = k.astype(kv.k.dtype, copy=False)  # rounded to nearest, like numpy's astype
+        kv.v[slots_d] = v.astype(kv.v.dtype, copy=False)
+        kv.pos[slots] = pos
+        kv.pos_device[slots_d] = self.cp.asarray(np.asarray(pos, dtype=np.int32))
+        kv.n_used = max(kv.n_used, int(slots.max()) + 1)
+
+    def attention(self, q, kv: CudaKVLayer, pos, scale: float, out) -> None:
+        """Causal (and sliding-window) attention of q (n_tok, n_head, hd_k) at positions pos over the
+        cache; out (n_tok, n_head * hd_v). See attention.cu."""
+        n_tok, n_head, hd_k = q.shape
+        n_kv_head, hd_v = kv.k.shape[1], kv.v.shape[2]
+        if n_head % n_kv_head:
+            raise InvalidArgumentError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv_head}")
+        if max(hd_k, hd_v) > ATTN_MAX_HEAD_DIM:
+            raise InvalidArgumentError(f"head_dim {max(hd_k, hd_v)} > {ATTN_MAX_HEAD_DIM} is not supported on the GPU")
+        _check_shape("attention out", out, (n_tok, n_head * hd_v))
+        self._require_contiguous("attention out", out)
+        if kv.k.dtype == self.cp.float16:
+            name = "attention_f16kv"
+        elif kv.k.dtype == self.cp.float32:
+            name = "attention_f32kv"
+        else:
+            raise InvalidArgumentError(f"KV cache dtype {kv.k.dtype} is not supported on the GPU (f16, f32)")
+        q = self._contiguous(q)
+        pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32))
+        self._launch("attention", name, (n_head, n_tok), (ATTN_THREADS,),
+                     (q, pos_d, kv.k, kv.v, kv.pos_device, np.int32(kv.n_used), out, np.int32(n_head),
+                      np.int32(n_kv_head), np.int32(hd_k), np.int32(hd_v), F32(scale), np.int32(kv.window or 0)))
+
+    # --- element-wise ---------------------------------------------------------------------------
+    def _elementwise(self, name: str, args_arrays, out, *scalars) -> None:
+        n = out.size
+        for a in (*args_arrays, out):
+            self._require_contiguous(name, a)
+            if a.size != n:
+                raise InvalidArgumentError(f"{name}: operands have {a.size} and {n} elements")
+        self._launch("elementwise", name, (_blocks(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                     (*args_arrays, out, *scalars, np.int64(n)))
+
+    def silu_mul(self, gate, up, out) -> None:
+        """out = silu(gate) * up"""
+        self._elementwise("silu_mul_f32", (gate, up), out)
+
+    def gelu_mul(self, gate, up, out) -> None:
+        """out = gelu_tanh(gate) * up"""
+        self._elementwise("gelu_mul_f32", (gate, up), out)
+
+    def add(self, x, y, out) -> None:
+        """out = x + y; y may be a vector (n,) broadcast over the rows of x (a bias)."""
+        if y.size == x.size:
+            self._elementwise("add_f32", (x, y), out)
+            return
+        n = y.size
+        if x.shape[-1] != n or y.ndim != 1:
+            raise InvalidArgumentError(f"add: cannot broadcast {y.shape} over {x.shape}")
+        for a in (x, y, out):
+            self._require_contiguous("add", a)
+        self._launch("elementwise", "add_row_f32", (_blocks(x.size, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                     (x, y, out, np.int64(x.size), np.int32(n)))
+
+    def scale(self, x, s: float) -> None:
+        """x *= s in place."""
+        self._require_contiguous("scale", x)
+        self._launch("elementwise", "scale_f32", (_blocks(x.size, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                     (x, F32(s), np.int64(x.size)))
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _contiguous(self, a):
+        return a if a.flags.c_contiguous else self.cp.ascontiguousarray(a)
+
+    @staticmethod
+    def _require_contiguous(name: str, a) -> None:
+        if not a.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name}: the GPU kernels need C-contiguous arrays")
+        if a.dtype != np.float32:
+            raise InvalidArgumentError(f"{name}: the GPU kernels need float32 arrays, got {a.dtype}")
+
+
+def _check_shape(name: str, a, shape) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise InvalidArgumentError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+__all__ = ["CudaBackend", "CudaKVLayer", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]

@@ -1,0 +1,84 @@
+"""The `edgellm` command as a user runs it: start-up cost, clear errors, streaming output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def edgellm(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "edgellm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_import_is_light():
+    code = ("import sys, edgellm, edgellm.api, edgellm.cli; edgellm.cli.build_parser();"
+            "print(sorted(m for m in ('numba', 'textual', 'cupy', 'llama_cpp') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_help_is_fast():
+    edgellm("--help")  # warm the page cache
+    t0 = time.perf_counter()
+    r = edgellm("--help")
+    dt = time.perf_counter() - t0
+    assert r.returncode == 0 and "run" in r.stdout and "plan" in r.stdout
+    assert dt < 1.5  # 0.5 s on an idle laptop; CI machines are shared, so the bound is looser
+
+
+def test_unknown_model_name():
+    r = edgellm("info", "no-such-model")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "not a known model name" in r.stderr and "smollm2-135m" in r.stderr
+
+
+def test_pull_unknown():
+    r = edgellm("pull", "llama-70b")
+    assert r.returncode == 1 and "unknown model 'llama-70b'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_known_models_listed_in_pull():
+    from edgellm.commands.pull import KNOWN
+    from edgellm.fetch import KNOWN_MODELS
+
+    assert tuple(KNOWN) == tuple(KNOWN_MODELS)
+
+
+@pytest.mark.real
+def test_info_real_files(smollm2_path, gemma3_path):
+    s = json.loads(edgellm("info", str(smollm2_path), "--json").stdout)
+    assert (s["architecture"], s["n_layer"], s["n_embd"], s["n_head"], s["n_head_kv"]) == ("llama", 30, 576, 9, 3)
+    assert {k: v["count"] for k, v in s["tensor_types"].items()} == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+    assert s["tokenizer"]["pre"] == "smollm" and s["chat_template"] is True
+    g = json.loads(edgellm("info", str(gemma3_path), "--json").stdout)
+    assert (g["architecture"], g["n_layer"], g["n_embd"], g["head_dim"]) == ("gemma3", 18, 640, 256)
+    assert {k: v["count"] for k, v in g["tensor_types"].items()} == {
+        "Q5_0": 81, "Q4_K": 27, "Q6_K": 9, "Q8_0": 10, "F32": 109}
+    assert g["sliding_window"] == 512 and g["n_swa_layers"] == 15 and g["chat_template"] is False
+    assert sum(g["bytes_per_layer"]) + g["bytes_other"] == g["bytes_total"]
+
+
+@pytest.mark.real
+def test_run_streams_and_summarises(smollm2_path):
+    r = edgellm("run", str(smollm2_path), "-p", "The capital of France is", "-n", "6", "--temp", "0", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(" Paris")
+    assert "tok/s" in r.stderr and "ttft" in r.stderr
+
+
+@pytest.mark.real
+def test_run_gpu_layers_without_gpu_is_clear(smollm2_path):
+    r = edgellm("run", str(smollm2_path), "--gpu-layers", "20", "-p", "hi", "-n", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "needs a GPU" in r.stderr and "pip install 'edgellm[cuda]'" in r.stderr
+
+
+@pytest.mark.real
+def test_run_prompt_longer_than_context(smollm2_path):
+    r = edgellm("run", str(smollm2_path), "-c", "16", "-p", "word " * 40, "-n", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "context holds 16" in r.stderr

@@ -1,0 +1,242 @@
+"""NumPy twins of the CUDA kernels, and the checks that hold them to the CPU backend and to the math.
+
+The functions at the top are deliberately plain (loops, float64) and are what scripts/gpu_check.py
+compares every CUDA kernel against on a GPU machine; this module imports neither pytest nor CuPy so
+that script can import it. Dequantization's twin is gguf.quants.dequantize (QuantType.dequantize_reference).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.quants import QUANT_TYPES
+
+# ============================================================================ references
+
+
+def dequantize_ref(ggml_type, raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """uint8 (n_rows, row_bytes) -> float32 (n_rows, n_cols), by gguf's NumPy dequantizer."""
+    return QUANT_TYPES[GGMLType(ggml_type)].dequantize_reference(raw).reshape(raw.shape[0], n_cols)
+
+
+def linear_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out (n_tok, n_rows) = x (n_tok, n_cols) @ W.T, in float64."""
+    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
+def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """Over the last axis: x / sqrt(mean(x^2) + eps) * w."""
+    x64 = x.astype(np.float64)
+    y = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (y * w if w is not None else y).astype(np.float32)
+
+
+def rope_ref(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float, neox: bool,
+             freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """x (n_tok, n_head, head_dim) rotated: pair i turns by pos * freq_scale * base^(-2i/n_rot) (/ factor i);
+    normal layout pairs (2i, 2i+1), neox pairs (i, i + n_rot/2); dims >= n_rot unchanged."""
+    out = x.astype(np.float64)
+    for t in range(x.shape[0]):
+        for i in range(n_rot // 2):
+            theta = pos[t] * freq_base ** (-2.0 * i / n_rot)
+            if freq_factors is not None:
+                theta /= freq_factors[i]
+            theta *= freq_scale
+            a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = out[t, :, a].copy(), out[t, :, b].copy()
+            out[t, :, a] = x0 * math.cos(theta) - x1 * math.sin(theta)
+            out[t, :, b] = x0 * math.sin(theta) + x1 * math.cos(theta)
+    return out.astype(np.float32)
+
+
+def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_pos: np.ndarray, q_pos: np.ndarray,
+                  scale: float, window: int = 0) -> np.ndarray:
+    """q (n_tok, n_head, hd_k); k (n_slots, n_kv_head, hd_k), v (n_slots, n_kv_head, hd_v) in the cache
+    dtype; kv_pos (n_slots,) position per slot (-1 empty); out (n_tok, n_head * hd_v).
+    Query at position p sees slots with 0 <= kv_pos <= p and (window > 0) p - kv_pos < window.
+    q is rounded to the cache dtype first, like ggml's f16 K x f32 Q product."""
+    n_tok, n_head, _ = q.shape
+    n_kv_head, hd_v = k.shape[1], v.shape[2]
+    group = n_head // n_kv_head
+    qr = q.astype(k.dtype).astype(np.float64)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    out = np.zeros((n_tok, n_head, hd_v))
+    for t in range(n_tok):
+        p = q_pos[t]
+        visible = (kv_pos >= 0) & (kv_pos <= p)
+        if window > 0:
+            visible &= p - kv_pos < window
+        slots = np.flatnonzero(visible)
+        for h in range(n_head):
+            s = k64[slots, h // group] @ qr[t, h] * scale
+            e = np.exp(s - s.max())
+            out[t, h] = e @ v64[slots, h // group] / e.sum()
+    return out.reshape(n_tok, n_head * hd_v).astype(np.float32)
+
+
+def silu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    g = gate.astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)
+
+
+def gelu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (ggml's), times up."""
+    g = gate.astype(np.float64)
+    return (0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * up).astype(np.float32)
+
+
+# Byte offsets of each block format's f16 scale fields (see edgellm/quants.py).
+F16_FIELDS = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+
+
+def random_blocks(ggml_type, n_blocks: int, rng: np.random.Generator, scale: float = 0.1) -> np.ndarray:
+    """uint8 (n_blocks * type_size,) of valid blocks: random bytes (every bit pattern of the packed
+    fields) with f16 scales of magnitude <= scale; float types hold standard normal values."""
+    ggml_type = GGMLType(ggml_type)
+    qt = QUANT_TYPES[ggml_type]
+    n = n_blocks * qt.block_size
+    if ggml_type == GGMLType.F32:
+        return rng.standard_normal(n).astype(np.float32).view(np.uint8)
+    if ggml_type == GGMLType.F16:
+        return rng.standard_normal(n).astype(np.float16).view(np.uint8)
+    if ggml_type == GGMLType.BF16:
+        return (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, size=(n_blocks, qt.type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[ggml_type]:
+        scales = (rng.uniform(0.01, 1.0, n_blocks) * scale * rng.choice([-1, 1], n_blocks)).astype(np.float16)
+        raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(-1)
+
+
+# ============================================================================ tests (CI, no GPU)
+# The references must agree with the CPU backend (the other implementation of the same ops) and with
+# facts that do not depend on either.
+
+RNG = np.random.default_rng(1234)
+
+
+def _cpu():
+    from edgellm.backend_cpu import CPUBackend
+
+    return CPUBackend()
+
+
+def test_rms_norm_ref_matches_cpu_backend_and_has_unit_rms():
+    x = RNG.standard_normal((5, 96)).astype(np.float32) * 3
+    w = RNG.standard_normal(96).astype(np.float32)
+    out = np.empty_like(x)
+    _cpu().rms_norm(x, w, 1e-6, out)
+    np.testing.assert_allclose(rms_norm_ref(x, w, 1e-6), out, rtol=1e-5, atol=1e-6)
+    unweighted = rms_norm_ref(x, None, 0.0)
+    np.testing.assert_allclose(np.sqrt(np.mean(unweighted.astype(np.float64) ** 2, axis=-1)), 1.0, rtol=1e-6)
+    # per-head QK-norm: rows are (token, head)
+    x3 = RNG.standard_normal((3, 4, 32)).astype(np.float32)
+    w3 = RNG.standard_normal(32).astype(np.float32)
+    out3 = x3.copy()
+    _cpu().rms_norm(out3, w3, 1e-6, out3)
+    np.testing.assert_allclose(rms_norm_ref(x3, w3, 1e-6), out3, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_ref_matches_cpu_backend_both_layouts():
+    x = RNG.standard_normal((6, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100, 2047, 5], dtype=np.int64)
+    for neox in (False, True):
+        for n_rot in (64, 32):
+            got = x.copy()
+            _cpu().rope(got, pos, n_rot, 10000.0, 0.5, neox)
+            np.testing.assert_allclose(rope_ref(x, pos, n_rot, 10000.0, 0.5, neox), got, rtol=1e-4, atol=2e-4)
+
+
+def test_rope_ref_facts():
+    x = RNG.standard_normal((4, 2, 16)).astype(np.float32)
+    pos = np.array([0, 3, 9, 30])
+    y = rope_ref(x, pos, 12, 500.0, 1.0, neox=False)
+    np.testing.assert_allclose(y[0], x[0], atol=1e-6)  # position 0 is the identity
+    np.testing.assert_array_equal(y[:, :, 12:], x[:, :, 12:])  # dims >= n_rot untouched
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)  # a rotation
+    # neox is the normal layout on permuted dimensions: (i, i + n/2) <-> (2i, 2i + 1)
+    perm = np.empty(12, dtype=int)
+    perm[0::2], perm[1::2] = np.arange(6), np.arange(6, 12)
+    xp = x.copy()
+    xp[:, :, :12] = x[:, :, perm]
+    neox = rope_ref(x, pos, 12, 500.0, 1.0, neox=True)
+    np.testing.assert_allclose(rope_ref(xp, pos, 12, 500.0, 1.0, neox=False)[:, :, :12], neox[:, :, perm], atol=1e-5)
+    # pair i at position p turns by exactly p * base^(-2i/n): check pair 1 of token 1
+    theta = 3 * 500.0 ** (-2 / 12)
+    a, b = x[1, 0, 2], x[1, 0, 3]
+    np.testing.assert_allclose(y[1, 0, 2:4], [a * math.cos(theta) - b * math.sin(theta),
+                                               a * math.sin(theta) + b * math.cos(theta)], rtol=1e-5)
+
+
+def _filled_cpu_cache(n_slots, n_kv, hd, dtype, window, positions, rng):
+    b = _cpu()
+    kv = b.kv_layer(n_slots, n_kv, hd, hd, dtype, window)
+    for p in positions:  # one token at a time, as decode does; the ring wraps when positions > n_slots
+        k = rng.standard_normal((1, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((1, n_kv, hd)).astype(np.float32)
+        b.kv_store(kv, k, v, np.array([p]))
+    return b, kv
+
+
+def test_attention_ref_matches_cpu_backend_gqa_window_ring():
+    rng = np.random.default_rng(7)
+    for dtype, window, n_slots in ((np.float16, 0, 40), (np.float32, 0, 40), (np.float16, 8, 12)):
+        b, kv = _filled_cpu_cache(n_slots, 2, 32, dtype, window, range(30), rng)
+        q = rng.standard_normal((3, 6, 32)).astype(np.float32)
+        q_pos = np.array([27, 28, 29])
+        out = np.empty((3, 6 * 32), dtype=np.float32)
+        b.attention(q, kv, q_pos, 0.2, out)
+        ref = attention_ref(q, kv.k, kv.v, kv.pos, q_pos, 0.2, window)
+        np.testing.assert_allclose(ref, out, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_ref_facts():
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((10, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((10, 1, 8)).astype(np.float32)
+    kv_pos = np.arange(10)
+    q = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    # window 1: each query sees only its own key, so the output is its own value, for every head
+    out = attention_ref(q, k, v, kv_pos, np.array([4, 9]), 1.0, window=1).reshape(2, 2, 8)
+    np.testing.assert_allclose(out[0], np.stack([v[4, 0]] * 2), rtol=1e-6)
+    np.testing.assert_allclose(out[1], np.stack([v[9, 0]] * 2), rtol=1e-6)
+    # position 0 sees only key 0
+    out0 = attention_ref(q[:1], k, v, kv_pos, np.array([0]), 1.0).reshape(2, 8)
+    np.testing.assert_allclose(out0, np.stack([v[0, 0]] * 2), rtol=1e-6)
+    # scale 0: a plain average of the visible values
+    avg = attention_ref(q[:1], k, v, kv_pos, np.array([5]), 0.0).reshape(2, 8)
+    np.testing.assert_allclose(avg[0], v[:6, 0].mean(axis=0), rtol=1e-5)
+
+
+def test_activation_refs_match_cpu_backend_and_known_values():
+    gate = np.linspace(-8, 8, 101, dtype=np.float32)
+    up = RNG.standard_normal(101).astype(np.float32)
+    out = np.empty_like(gate)
+    _cpu().silu_mul(gate, up, out)
+    np.testing.assert_allclose(silu_mul_ref(gate, up), out, rtol=1e-5, atol=1e-6)
+    _cpu().gelu_mul(gate, up, out)
+    np.testing.assert_allclose(gelu_mul_ref(gate, up), out, rtol=1e-5, atol=1e-6)
+    ones = np.ones(3, dtype=np.float32)
+    x = np.array([0.0, 1.0, -1.0], dtype=np.float32)
+    np.testing.assert_allclose(silu_mul_ref(x, ones), [0.0, 0.7310585786, -0.2689414214], rtol=1e-6)
+    np.testing.assert_allclose(gelu_mul_ref(x, ones), [0.0, 0.8411919906, -0.1588080094], rtol=1e-6)
+
+
+def test_random_blocks_are_valid_for_every_type():
+    for ggml_type, qt in QUANT_TYPES.items():
+        raw = random_blocks(ggml_type, 8, np.random.default_rng(0))
+        assert raw.size == 8 * qt.type_size
+        w = dequantize_ref(ggml_type, raw.reshape(1, -1), 8 * qt.block_size)
+        assert np.isfinite(w).all() and np.abs(w).max() > 0, qt.name
+
+
+def test_linear_ref_is_a_matrix_product():
+    w = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32)
+    x = np.array([[1, -1], [0.5, 2]], dtype=np.float32)
+    np.testing.assert_array_equal(linear_ref(w, x), [[-1, -1, -1], [4.5, 9.5, 14.5]])
