@@ -1,0 +1,297 @@
+"""K-quants (256 weights per super-block): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+
+Same entry points as legacy.py: `dequantize_<t>(raw, out, lanes)` and
+`matvec_<t>(raw, xq, xd, xs, out, lanes)` with x in 8-bit blocks of 32 (common.quantize_x).
+A super-block splits into groups of 16 weights (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K), each
+with an integer scale (and min); matvec takes an integer dot product per group, combines the
+two halves of an x block in integers, then multiplies once by the float scales.
+Dequantize follows gguf.quants operation for operation (no fast-math): bit-exact.
+
+Where weight w (0..255) of a super-block lives, per type (c, s, t, h, l as named below):
+  Q2_K  w = 128c + 32s + l:  q = (qs[32c + l] >> 2s) & 3;  group w//16: sc & 15, min sc >> 4
+        w = d * sc * q - dmin * min
+  Q3_K  w = 128c + 32s + l:  q = ((qs[32c + l] >> 2s) & 3) - (hmask[l] bit (4c + s) ? 0 : 4)
+        group g: 6-bit scale = lo nibble of scales[g % 8] (>> 4 for g >= 8)
+        | 2 bits of scales[8 + g % 4] >> 2(g // 4), minus 32;   w = d * scale * q
+  Q4_K  sub-block b = 2c + nib (32 weights): q = nibble nib of qs[32c + l]; 6-bit sc, min
+        packed in scales[12] (see _scale_min);  w = d * sc * q - dmin * min
+  Q5_K  as Q4_K, plus 5th bit (qh[l] >> b) & 1
+  Q6_K  w = 128h + 32t + l:  q = (nibble t//2 of ql[64h + 32(t % 2) + l])
+        | ((qh[32h + l] >> 2t) & 3) << 4, minus 32;  group w//16: int8 scale;  w = d * sc * q
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, QuantizedOps,
+                                        dot16_field, f16_to_f32, njit, prange)
+
+QK_K = 256
+# Bytes per super-block, fields in memory order.
+Q2_K_BYTES = 16 + 64 + 2 + 2  # scales[16] (sc | min << 4) | qs[64] | d | dmin
+Q3_K_BYTES = 32 + 64 + 12 + 2  # hmask[32] | qs[64] | scales[12] | d
+Q4_K_BYTES = 2 + 2 + 12 + 128  # d | dmin | scales[12] | qs[128]
+Q5_K_BYTES = 2 + 2 + 12 + 32 + 128  # d | dmin | scales[12] | qh[32] | qs[128]
+Q6_K_BYTES = 128 + 64 + 16 + 2  # ql[128] | qh[64] | scales: i8[16] | d
+
+
+@njit(inline="always")
+def _q3_scale(row, o, g):
+    """6-bit scale of group g (0..15) of a Q3_K block whose scales[12] start at byte o, minus 32."""
+    lo = (I32(row[o + (g & U(7))]) >> I32(4 * (g >> U(3)))) & I32(15)
+    hi = (I32(row[o + U(8) + (g & U(3))]) >> I32(2 * (g >> U(2)))) & I32(3)
+    return (lo | (hi << I32(4))) - I32(32)
+
+
+@njit(inline="always")
+def _scale_min(row, o, b):
+    """(scale, min) of sub-block b (0..7) of a Q4_K/Q5_K block whose scales[12] start at byte o."""
+    if b < U(4):
+        return I32(row[o + b]) & I32(63), I32(row[o + b + U(4)]) & I32(63)
+    sc = (I32(row[o + b + U(4)]) & I32(15)) | ((I32(row[o + b - U(4)]) >> I32(6)) << I32(4))
+    mn = (I32(row[o + b + U(4)]) >> I32(4)) | ((I32(row[o + b]) >> I32(6)) << I32(4))
+    return sc, mn
+
+
+# --- dequantize ----------------------------------------------------------------------------
+@njit(**JIT)
+def dequantize_q2_k(raw, out, lanes):
+    for r in prange(raw.shape[0]):
+        row, dst = raw[r], out[r]
+        for i in range(U(out.shape[1] // QK_K)):
+            o, w0 = i * U(Q2_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(80)], row[o + U(81)])
+            dmin = f16_to_f32(row[o + U(82)], row[o + U(83)])
+            for g in range(U(16)):
+                c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
+                sc = I32(row[o + g])
+                dl = d * F32(sc & I32(15))
+                ml = dmin * F32(sc >> I32(4))
+                q0 = o + U(16) + U(32) * c + l0
+                for j in range(lanes):
+                    q = (I32(row[q0 + j]) >> I32(2 * s)) & I32(3)
+                    dst[w0 + U(16) * g + j] = dl * F32(q) - ml
+
+
+@njit(**JIT)
+def dequantize_q3_k(raw, out, lanes):
+    for r in prange(raw.shape[0]):
+        row, dst = raw[r], out[r]
+        for i in range(U(out.shape[1] // QK_K)):
+            o, w0 = i * U(Q3_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(108)], row[o + U(109)])
+            for g in range(U(16)):
+                c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
+                dl = d * F32(_q3_scale(row, o + U(96), g))
+                bit = I32(4 * c + s)
+                q0 = o + U(32) + U(32) * c + l0
+                for j in range(lanes):
+                    low = (I32(row[q0 + j]) >> I32(2 * s)) & I32(3)
+                    high = (I32(row[o + l0 + j]) >> bit) & I32(1)
+                    dst[w0 + U(16) * g + j] = dl * F32(low - ((high ^ I32(1)) << I32(2)))
+
+
+@njit(**JIT)
+def dequantize_q4_k(raw, out, lanes):
+    for r in prange(raw.shape[0]):
+        row, dst = raw[r], out[r]
+        for i in range(U(out.shape[1] // QK_K)):
+            o, w0 = i * U(Q4_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o], row[o + U(1)])
+            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+            for b in range(U(8)):
+                sc, mn = _scale_min(row, o + U(4), b)
+                dl = d * F32(sc)
+                ml = dmin * F32(mn)
+                q0 = o + U(16) + U(32) * (b >> U(1))
+                shift = I32(4 * (b & U(1)))
+                for j in range(lanes + lanes):
+                    q = (I32(row[q0 + j]) >> shift) & I32(15)
+                    dst[w0 + U(32) * b + j] = dl * F32(q) - ml
+
+
+@njit(**JIT)
+def dequantize_q5_k(raw, out, lanes):
+    for r in prange(raw.shape[0]):
+        row, dst = raw[r], out[r]
+        for i in range(U(out.shape[1] // QK_K)):
+            o, w0 = i * U(Q5_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o], row[o + U(1)])
+            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+            for b in range(U(8)):
+                sc, mn = _scale_min(row, o + U(4), b)
+                dl = d * F32(sc)
+                ml = dmin * F32(mn)
+                q0 = o + U(48) + U(32) * (b >> U(1))
+                shift = I32(4 * (b & U(1)))
+                for j in range(lanes + lanes):
+                    q = ((I32(row[q0 + j]) >> shift) & I32(15)) \
+                        | (((I32(row[o + U(16) + j]) >> I32(b)) & I32(1)) << I32(4))
+                    dst[w0 + U(32) * b + j] = dl * F32(q) - ml
+
+
+@njit(**JIT)
+def dequantize_q6_k(raw, out, lanes):
+    for r in prange(raw.shape[0]):
+        row, dst = raw[r], out[r]
+        for i in range(U(out.shape[1] // QK_K)):
+            o, w0 = i * U(Q6_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(208)], row[o + U(209)])
+            for g in range(U(16)):
+                h, t, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
+                dl = d * F32(np.int8(row[o + U(192) + g]))
+                ql0 = o + U(64) * h + U(32) * (t & U(1)) + l0
+                qh0 = o + U(128) + U(32) * h + l0
+                for j in range(lanes):
+                    q = ((I32(row[ql0 + j]) >> I32(4 * (t >> U(1)))) & I32(15)) \
+                        | (((I32(row[qh0 + j]) >> I32(2 * t)) & I32(3)) << I32(4))
+                    dst[w0 + U(16) * g + j] = dl * F32(q - I32(32))
+
+
+# --- matvec --------------------------------------------------------------------------------
+# Groups g (16 weights) pair up as x block k = 8i + g // 2 (32 values, scale xd[k]).
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q2_k(raw, xq, xd, xs, out, lanes):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xq.size // QK_K)):
+            o, w0 = i * U(Q2_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(80)], row[o + U(81)])
+            dmin = f16_to_f32(row[o + U(82)], row[o + U(83)])
+            for k in range(U(8)):
+                isum = I32(0)  # sum over the 2 groups of sc * dot(q, xq)
+                msum = I32(0)  # sum over the 2 groups of min * sum(xq)
+                for g in range(k + k, k + k + U(2)):
+                    c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
+                    q0 = o + U(16) + U(32) * c + l0
+                    x0 = w0 + U(16) * g
+                    shift = I32(2 * s)
+                    dot = dot16_field(row, q0, shift, I32(3), xq, x0)
+                    sc = I32(row[o + g])
+                    isum += (sc & I32(15)) * dot
+                    msum += (sc >> I32(4)) * xs[(w0 >> U(4)) + g]
+                acc += xd[i * U(8) + k] * (d * F32(isum) - dmin * F32(msum))
+        out[r] = acc
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q3_k(raw, xq, xd, xs, out, lanes):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xq.size // QK_K)):
+            o, w0 = i * U(Q3_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(108)], row[o + U(109)])
+            for k in range(U(8)):
+                isum = I32(0)
+                for g in range(k + k, k + k + U(2)):
+                    c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
+                    q0 = o + U(32) + U(32) * c + l0
+                    x0 = w0 + U(16) * g
+                    shift = I32(2 * s)
+                    bit = I32(4 * c + s)
+                    # q = low - 4 + 4 * high
+                    dot = dot16_field(row, q0, shift, I32(3), xq, x0) \
+                        + I32(4) * dot16_field(row, o + l0, bit, I32(1), xq, x0) \
+                        - I32(4) * xs[(w0 >> U(4)) + g]
+                    isum += _q3_scale(row, o + U(96), g) * dot
+                acc += d * xd[i * U(8) + k] * F32(isum)
+        out[r] = acc
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q4_k(raw, xq, xd, xs, out, lanes):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xq.size // QK_K)):
+            o, w0 = i * U(Q4_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o], row[o + U(1)])
+            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+            for c in range(U(4)):  # 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
+                q0 = o + U(16) + U(32) * c
+                x0 = w0 + U(64) * c
+                dot_lo = dot16_field(row, q0, I32(0), I32(15), xq, x0) \
+                    + dot16_field(row, q0 + U(16), I32(0), I32(15), xq, x0 + U(16))
+                dot_hi = dot16_field(row, q0, I32(4), I32(15), xq, x0 + U(32)) \
+                    + dot16_field(row, q0 + U(16), I32(4), I32(15), xq, x0 + U(48))
+                sc0, m0 = _scale_min(row, o + U(4), c + c)
+                sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
+                k0 = (w0 >> U(5)) + c + c
+                s0 = xs[k0 + k0] + xs[k0 + k0 + U(1)]
+                s1 = xs[k0 + k0 + U(2)] + xs[k0 + k0 + U(3)]
+                acc += xd[k0] * (d * F32(sc0 * dot_lo) - dmin * F32(m0 * s0))
+                acc += xd[k0 + U(1)] * (d * F32(sc1 * dot_hi) - dmin * F32(m1 * s1))
+        out[r] = acc
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q5_k(raw, xq, xd, xs, out, lanes):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xq.size // QK_K)):
+            o, w0 = i * U(Q5_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o], row[o + U(1)])
+            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+            for c in range(U(4)):
+                q0 = o + U(48) + U(32) * c
+                x0 = w0 + U(64) * c
+                b_lo = I32(2 * c)
+                qh0 = o + U(16)  # 5th bits: bit 2c for sub-block 2c, bit 2c + 1 for 2c + 1
+                dot_lo = dot16_field(row, q0, I32(0), I32(15), xq, x0) \
+                    + dot16_field(row, q0 + U(16), I32(0), I32(15), xq, x0 + U(16)) \
+                    + I32(16) * (dot16_field(row, qh0, b_lo, I32(1), xq, x0)
+                                 + dot16_field(row, qh0 + U(16), b_lo, I32(1), xq, x0 + U(16)))
+                dot_hi = dot16_field(row, q0, I32(4), I32(15), xq, x0 + U(32)) \
+                    + dot16_field(row, q0 + U(16), I32(4), I32(15), xq, x0 + U(48)) \
+                    + I32(16) * (dot16_field(row, qh0, b_lo + I32(1), I32(1), xq, x0 + U(32))
+                                 + dot16_field(row, qh0 + U(16), b_lo + I32(1), I32(1), xq, x0 + U(48)))
+                sc0, m0 = _scale_min(row, o + U(4), c + c)
+                sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
+                k0 = (w0 >> U(5)) + c + c
+                s0 = xs[k0 + k0] + xs[k0 + k0 + U(1)]
+                s1 = xs[k0 + k0 + U(2)] + xs[k0 + k0 + U(3)]
+                acc += xd[k0] * (d * F32(sc0 * dot_lo) - dmin * F32(m0 * s0))
+                acc += xd[k0 + U(1)] * (d * F32(sc1 * dot_hi) - dmin * F32(m1 * s1))
+        out[r] = acc
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q6_k(raw, xq, xd, xs, out, lanes):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xq.size // QK_K)):
+            o, w0 = i * U(Q6_K_BYTES), i * U(QK_K)
+            d = f16_to_f32(row[o + U(208)], row[o + U(209)])
+            for k in range(U(8)):  # k = 4h + t: 32 weights, groups 2k and 2k + 1
+                h, t = k >> U(2), k & U(3)
+                ql0 = o + U(64) * h + U(32) * (t & U(1))
+                qh0 = o + U(128) + U(32) * h
+                x0 = w0 + U(32) * k
+                lo_shift = I32(4 * (t >> U(1)))
+                hi_shift = I32(2 * t)
+                # q = low nibble | high 2 bits << 4, summed as low + 16 * high
+                dot0 = dot16_field(row, ql0, lo_shift, I32(15), xq, x0) \
+                    + I32(16) * dot16_field(row, qh0, hi_shift, I32(3), xq, x0)
+                dot1 = dot16_field(row, ql0 + U(16), lo_shift, I32(15), xq, x0 + U(16)) \
+                    + I32(16) * dot16_field(row, qh0 + U(16), hi_shift, I32(3), xq, x0 + U(16))
+                g = k + k
+                xs0 = xs[(w0 >> U(4)) + g]
+                xs1 = xs[(w0 >> U(4)) + g + U(1)]
+                isum = I32(np.int8(row[o + U(192) + g])) * (dot0 - I32(32) * xs0) \
+                    + I32(np.int8(row[o + U(193) + g])) * (dot1 - I32(32) * xs1)
+                acc += d * xd[i * U(8) + k] * F32(isum)
+        out[r] = acc
+
+
+OPS = QuantizedOps({
+    GGMLType.Q2_K: (dequantize_q2_k, matvec_q2_k),
+    GGMLType.Q3_K: (dequantize_q3_k, matvec_q3_k),
+    GGMLType.Q4_K: (dequantize_q4_k, matvec_q4_k),
+    GGMLType.Q5_K: (dequantize_q5_k, matvec_q5_k),
+    GGMLType.Q6_K: (dequantize_q6_k, matvec_q6_k),
+})

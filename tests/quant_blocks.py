@@ -1,0 +1,48 @@
+"""Random valid raw rows for every GGML type: random bits everywhere, finite float scales.
+
+Scales (the f16 / bf16 / f32 fields of a block) are drawn from a modest range so that products
+stay finite; every other byte (nibbles, high bits, packed 6-bit scales, int8 values) is uniform.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.quants import QUANT_TYPES
+
+# Byte offsets of the f16 fields inside one block, per type.
+F16_FIELDS = {
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (16 + 64, 16 + 64 + 2),  # after scales[16] | qs[64]: d, dmin
+    GGMLType.Q3_K: (32 + 64 + 12,),  # after hmask[32] | qs[64] | scales[12]: d
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (128 + 64 + 16,),  # after ql[128] | qh[64] | scales[16]: d
+}
+
+
+def _scales(rng, n: int) -> np.ndarray:
+    """Finite float scales of both signs, magnitudes 1e-3 .. 1."""
+    return (rng.choice([-1.0, 1.0], n) * 10.0 ** rng.uniform(-3, 0, n)).astype(np.float32)
+
+
+def random_rows(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 (n_rows, row_bytes) of valid random blocks of `ggml_type`."""
+    rng = np.random.default_rng(seed)
+    qt = QUANT_TYPES[ggml_type]
+    if ggml_type == GGMLType.F32:
+        return _scales(rng, n_rows * n_cols).view(np.uint8).reshape(n_rows, -1)
+    if ggml_type == GGMLType.F16:
+        return _scales(rng, n_rows * n_cols).astype(np.float16).view(np.uint8).reshape(n_rows, -1)
+    if ggml_type == GGMLType.BF16:
+        bits = _scales(rng, n_rows * n_cols).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8).reshape(n_rows, -1)
+    n_blocks = n_rows * n_cols // qt.block_size
+    blocks = rng.integers(0, 256, (n_blocks, qt.type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[ggml_type]:
+        blocks[:, offset:offset + 2] = _scales(rng, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n_rows, qt.row_bytes(n_cols))
