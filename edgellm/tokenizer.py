@@ -1,0 +1,610 @@
+"""Tokenizer built from GGUF metadata alone, returning exactly the ids llama.cpp returns.
+
+Data flow of `Tokenizer.tokenize(text, add_special, parse_special)` (llama.cpp's `llama_tokenize`):
+
+    text ──► special-token partition ──► fragments: raw text | token id
+                                          │
+                 BPE ("gpt2"):  pre-tokenizer regex split → GPT-2 byte↔unicode → merges by rank
+                 SPM ("llama"): spaces → "▁" → bigram merges by score → byte fallback <0xXX>
+                                          │
+             BOS / EOS added per add_bos_token / add_eos_token when add_special ──► ids
+
+The vocabulary's token types (tokenizer.ggml.token_type) decide which tokens are "special":
+CONTROL and UNKNOWN tokens are matched in the text only with parse_special=True; USER_DEFINED
+tokens are matched always (llama.cpp follows Hugging Face here). Decoding is the reverse:
+`token_to_bytes` gives a token's piece as llama.cpp's `llama_token_to_piece(special=False)`,
+`detokenize` joins them as `llama_detokenize(remove_special=False, unparse_special=False)`,
+and `StreamDecoder` turns a stream of ids into text that never ends inside a UTF-8 sequence.
+"""
+from __future__ import annotations
+
+import codecs
+import heapq
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import regex
+
+from edgellm.errors import TokenizerError
+
+# ---------------------------------------------------------------------------------------------
+# Token types and attributes
+# ---------------------------------------------------------------------------------------------
+# Attribute bits, as llama.cpp derives them from the token type (and, for a few tokens, their text).
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+
+# tokenizer.ggml.token_type (gguf-py's TokenType) -> attribute: UNDEFINED=0, NORMAL=1, UNKNOWN=2,
+# CONTROL=3, USER_DEFINED=4, UNUSED=5, BYTE=6; anything else counts as UNDEFINED
+_TYPE_TO_ATTR = np.array([0, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_DEFINED,
+                          ATTR_UNUSED, ATTR_BYTE], dtype=np.int32)
+_SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN   # matched in the text
+_HIDDEN_ATTRS = ATTR_CONTROL | ATTR_UNKNOWN                        # parse/print only if special
+
+# Token texts llama.cpp recognises when the file names no id for the role. Each is forced to
+# CONTROL (that changes how the token is matched and printed). Where several texts of a role are
+# in the vocabulary llama.cpp takes whichever its hash map yields first; we take the lowest id
+# (the same choice on SmolLM2, which has both <|endoftext|> and <|im_end|>).
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+              "<end_of_utterance>")
+_EOM_TEXTS = ("<|eom_id|>",)
+_FIM_TEXTS = {  # role -> texts; pad, rep and sep also end generation
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+              "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+              "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+              "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+_ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+_ROLE_TEXTS = frozenset((*_EOT_TEXTS, *_EOM_TEXTS, *_EOG_TEXTS, *_ALWAYS_USER_DEFINED,
+                         *(t for texts in _FIM_TEXTS.values() for t in texts)))
+
+SPACE_ESCAPE = "\u2581"   # "▁": how SentencePiece vocabularies spell a space
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 byte-level alphabet: every byte is one printable code point, so merges work on text
+# ---------------------------------------------------------------------------------------------
+def _gpt2_byte_alphabet() -> list[str]:
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = [""] * 256
+    for b in printable:
+        alphabet[b] = chr(b)
+    extra = 256
+    for b in range(256):
+        if not alphabet[b]:
+            alphabet[b] = chr(extra)
+            extra += 1
+    return alphabet
+
+
+_BYTE_TO_CHAR = _gpt2_byte_alphabet()                               # byte -> str of 1 code point
+_CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_TO_CHAR)}
+_LATIN1_TO_ALPHABET = {b: c for b, c in enumerate(_BYTE_TO_CHAR)}   # str.translate table
+
+
+def _byte_encode(word: str) -> str:
+    """UTF-8 bytes of `word`, each written as its GPT-2 alphabet character."""
+    return word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_ALPHABET)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizers (tokenizer.ggml.pre): regexes applied in turn, each splitting the pieces the
+# previous one produced. Text between matches is kept as its own piece, as llama.cpp does.
+# The patterns are llama.cpp's. Where llama.cpp runs a hand-written splitter instead (GPT-2 and
+# Llama-3 patterns) its result is the regex's; `regex`'s \s is Unicode White_Space, the same
+# set as llama.cpp's whitespace table. \p{L}/\p{N} come from `regex`'s Unicode tables, which may
+# differ from llama.cpp's generated ones on characters assigned in the newest Unicode versions.
+# ---------------------------------------------------------------------------------------------
+_RE_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_RE_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_RE_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    regexes: tuple[str, ...]
+    clean_spaces: bool = True      # detokenize drops the space in " ?", " 's", ... (llama.cpp)
+    ignore_merges: bool = False    # a word that is a whole token skips the merges
+    add_bos: bool = False          # default when the file has no tokenizer.ggml.add_bos_token
+    compiled: tuple[regex.Pattern, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compiled", tuple(regex.compile(r) for r in self.regexes))
+
+    def split(self, text: str) -> list[str]:
+        """The words of `text`, in order; joined they give `text` back."""
+        pieces = [text]
+        for pattern in self.compiled:
+            out: list[str] = []
+            for piece in pieces:
+                pos = 0
+                for m in pattern.finditer(piece):
+                    if m.start() > pos:
+                        out.append(piece[pos:m.start()])
+                    if m.end() > m.start():
+                        out.append(m.group())
+                    pos = m.end()
+                if pos < len(piece):
+                    out.append(piece[pos:])
+            pieces = out
+        return pieces
+
+
+_PRE_DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _RE_GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_PRE_LLAMA3 = PreTokenizer((_RE_LLAMA3,), ignore_merges=True, add_bos=True)
+_PRE_GPT2 = PreTokenizer((_RE_GPT2,))
+_PRE_SMOLLM = PreTokenizer((r"\p{N}", _RE_GPT2), clean_spaces=False)
+_PRE_QWEN2 = PreTokenizer((_RE_QWEN2,), clean_spaces=False)
+
+# tokenizer.ggml.pre name -> pre-tokenizer (names as llama.cpp's converter writes them)
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "default": _PRE_DEFAULT,
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _PRE_LLAMA3),
+    "dbrx": PreTokenizer((_RE_LLAMA3,)),
+    "smaug-bpe": PreTokenizer((_RE_LLAMA3,)),
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+                     "mpt", "olmo", "jais", "exaone4"), _PRE_GPT2),
+    **dict.fromkeys(("smollm", "command-r"), _PRE_SMOLLM),
+    **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b"),
+                    PreTokenizer((r"\p{N}", _RE_GPT2))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _PRE_QWEN2),
+    **dict.fromkeys(("stablelm2", "megrez"), PreTokenizer((_RE_QWEN2,))),
+}
+
+# tokenizer.ggml.model -> (kind, default bos, default eos)
+_MODELS = {"llama": ("spm", 1, 2), "gpt2": ("bpe", 11, 11)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer
+# ---------------------------------------------------------------------------------------------
+class Tokenizer:
+    """A GGUF vocabulary (SPM or byte-level BPE) that tokenizes like llama.cpp."""
+
+    def __init__(self, *, kind: str, tokens: list[str], token_to_id: dict[str, int],
+                 scores: list[float], attrs: np.ndarray,
+                 merges: list[str] | None, pre: PreTokenizer | None, bos_id: int | None,
+                 eos_id: int | None, eot_id: int | None, stop_ids: frozenset[int],
+                 add_bos: bool, add_eos: bool, add_space_prefix: bool) -> None:
+        self.kind = kind                       # "spm" | "bpe"
+        self.n_vocab = len(tokens)
+        self.bos_id, self.eos_id, self.eot_id = bos_id, eos_id, eot_id
+        self.stop_ids = stop_ids               # every end-of-generation token (llama.cpp's EOG set)
+        self.add_bos, self.add_eos, self.add_space_prefix = add_bos, add_eos, add_space_prefix
+        self._tokens = tokens
+        self._scores = scores
+        self._attrs = attrs                    # int32 (n_vocab,), ATTR_* bits
+        self._token_to_id = token_to_id
+        self._bpe_ranks = _merge_ranks(merges) if merges is not None else {}
+        self._pre = pre
+        self._clean_spaces = pre.clean_spaces if pre else False
+        self._word_cache: dict[str, list[int]] = {}
+        self._special_by_prefix = {parse: _special_buckets(tokens, attrs, parse) for parse in (True, False)}
+
+    # --- construction from metadata ---------------------------------------------------------
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        model = md.get("tokenizer.ggml.model")
+        if model not in _MODELS:
+            raise TokenizerError(
+                f"tokenizer.ggml.model is {model!r}; edgellm reads SentencePiece ('llama') and "
+                "byte-level BPE ('gpt2') vocabularies. Use a GGUF file with one of those.")
+        kind, default_bos, default_eos = _MODELS[model]
+        tokens = md.get("tokenizer.ggml.tokens") or []
+        n = len(tokens)
+        if n == 0:
+            raise TokenizerError("the file has no tokenizer.ggml.tokens; it cannot be tokenized. "
+                                 "Re-convert the model with its tokenizer.")
+        token_to_id = dict(zip(tokens, range(n)))
+        if "" in token_to_id:                  # llama.cpp names empty entries "[EMPTY_<id>]"
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+            token_to_id = dict(zip(tokens, range(n)))
+        if len(token_to_id) != n:
+            seen: dict[str, int] = {}
+            for i, t in enumerate(tokens):
+                if t in seen:
+                    raise TokenizerError(f"duplicate token {t!r} in the vocabulary (ids {seen[t]} "
+                                         f"and {i}); the file is damaged. Re-convert the model.")
+                seen[t] = i
+        raw_scores = md.get("tokenizer.ggml.scores")
+        scores = (np.asarray(raw_scores, dtype=np.float32)[:n].tolist() if raw_scores is not None
+                  else [0.0] * n)
+        if len(scores) < n:
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens.")
+        types = md.get("tokenizer.ggml.token_type")
+        if types is None:
+            attrs = np.full(n, ATTR_NORMAL, dtype=np.int32)
+        else:
+            types = np.asarray(types, dtype=np.int64)[:n]
+            if len(types) < n:
+                raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens.")
+            attrs = np.where((types >= 0) & (types < len(_TYPE_TO_ATTR)),
+                             _TYPE_TO_ATTR[np.clip(types, 0, len(_TYPE_TO_ATTR) - 1)], 0).astype(np.int32)
+
+        pre = None
+        merges = None
+        add_bos, add_eos, add_space_prefix = (True, False, True) if kind == "spm" else (False, False, False)
+        if kind == "bpe":
+            pre_name = md.get("tokenizer.ggml.pre") or "default"
+            if pre_name not in PRE_TOKENIZERS:
+                raise TokenizerError(
+                    f"pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is not supported; known: "
+                    f"{', '.join(sorted(PRE_TOKENIZERS))}.")
+            pre = PRE_TOKENIZERS[pre_name]
+            add_bos = pre.add_bos
+            merges = md.get("tokenizer.ggml.merges")
+            if merges is None:
+                raise TokenizerError("a BPE vocabulary needs tokenizer.ggml.merges, and the file has none.")
+        add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+
+        bos_id = _token_id(md, "tokenizer.ggml.bos_token_id", default_bos, n)
+        eos_id = _token_id(md, "tokenizer.ggml.eos_token_id", default_eos, n)
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+        add_eos = bool(md.get("tokenizer.ggml.add_eos_token", add_eos))
+        if add_bos and bos_id is None:
+            raise TokenizerError("tokenizer.ggml.add_bos_token is true but the file names no BOS token.")
+        if add_eos and eos_id is None:
+            raise TokenizerError("tokenizer.ggml.add_eos_token is true but the file names no EOS token.")
+
+        eot_id, stop_ids = _special_roles(md, tokens, token_to_id, attrs, eos_id)
+        return cls(kind=kind, tokens=tokens, token_to_id=token_to_id, scores=scores, attrs=attrs,
+                   merges=merges, pre=pre, bos_id=bos_id, eos_id=eos_id, eot_id=eot_id, stop_ids=stop_ids,
+                   add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
+
+    # --- tokenize ------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`, as llama.cpp's llama_tokenize(text, add_special, parse_special)."""
+        text = _valid_unicode(text)
+        out: list[int] = []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        fragments = self._partition(text, parse_special) if text else []
+        if self.kind == "spm":
+            prev_special = True            # a space prefix goes at the start and after a special
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                self._spm(frag.replace(" ", SPACE_ESCAPE), out)
+                prev_special = False
+        else:
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    continue
+                for word in self._pre.split(frag):
+                    ids = self._word_cache.get(word)
+                    if ids is None:
+                        ids = self._bpe_word(word)
+                        if len(self._word_cache) > 65536:
+                            self._word_cache.clear()
+                        self._word_cache[word] = ids
+                    out.extend(ids)
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Split `text` at special-token texts, longest token first, as llama.cpp does."""
+        by_prefix = self._special_by_prefix[parse_special]
+        prefixes = set(text).union(text[i:i + 2] for i in range(len(text) - 1))  # 1- and 2-char substrings
+        candidates = sorted(c for p in prefixes if p in by_prefix for c in by_prefix[p])
+        fragments: list[str | int] = [text]
+        for _, tok_text, tid in candidates:
+            if tok_text not in text:
+                continue
+            split: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or tok_text not in frag:
+                    split.append(frag)
+                    continue
+                for j, part in enumerate(frag.split(tok_text)):
+                    if j:
+                        split.append(tid)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    # --- SentencePiece (bigram merges by score) -------------------------------------------------
+    def _spm(self, text: str, out: list[int]) -> None:
+        to_id, scores = self._token_to_id, self._scores
+
+        def priority(left: str, right: str) -> float | None:    # best score first
+            tid = to_id.get(left + right)
+            return None if tid is None else -scores[tid]
+
+        for piece in _merge(list(text), priority):
+            tid = to_id.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:                              # not in the vocabulary: one token per UTF-8 byte
+                out.extend(self._byte_token(b) for b in piece.encode("utf-8"))
+
+    def _byte_token(self, byte: int) -> int:
+        tid = self._token_to_id.get(f"<0x{byte:02X}>")
+        if tid is None and byte < 0x80:
+            tid = self._token_to_id.get(chr(byte))
+        if tid is None:
+            raise TokenizerError(f"the vocabulary has no byte-fallback token <0x{byte:02X}>; this "
+                                 "text cannot be tokenized with it.")
+        return tid
+
+    # --- byte-level BPE (merges by rank) --------------------------------------------------------
+    def _bpe_word(self, word: str) -> list[int]:
+        to_id = self._token_to_id
+        encoded = _byte_encode(word)
+        if self._pre.ignore_merges and encoded in to_id:
+            return [to_id[encoded]]
+        ids: list[int] = []
+        for piece in _merge(list(encoded), lambda left, right: self._bpe_ranks.get((left, right))):
+            tid = to_id.get(piece)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            # not a token: llama.cpp looks each UTF-8 byte up as a one-byte token (only ASCII can hit)
+            for b in piece.encode("utf-8"):
+                tid = to_id.get(chr(b)) if b < 0x80 else None
+                if tid is not None:
+                    ids.append(tid)
+        return ids
+
+    # --- decode ----------------------------------------------------------------------------------
+    def token_to_bytes(self, tok: int, special: bool = False) -> bytes:
+        """The piece of token `tok`, as llama.cpp's llama_token_to_piece(lstrip=0, special)."""
+        if not 0 <= tok < self.n_vocab:
+            raise TokenizerError(f"token id {tok} is outside the vocabulary (0..{self.n_vocab - 1}).")
+        attr = int(self._attrs[tok])
+        text = self._tokens[tok]
+        if attr & _HIDDEN_ATTRS and not special:
+            return b""
+        if attr & (_HIDDEN_ATTRS | ATTR_USER_DEFINED):
+            return text.encode("utf-8")
+        if attr & ATTR_NORMAL:
+            if self.kind == "spm":
+                return text.replace(SPACE_ESCAPE, " ").encode("utf-8")
+            return _byte_decode(text)
+        if attr & ATTR_BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""
+
+    def detokenize_bytes(self, tokens: Iterable[int], special: bool = False) -> bytes:
+        """llama.cpp's llama_detokenize(tokens, remove_special=False, unparse_special=special)."""
+        out = bytearray()
+        for i, tok in enumerate(tokens):
+            piece = self.token_to_bytes(int(tok), special)
+            if i == 0 and self.add_space_prefix and piece.startswith(b" "):
+                piece = piece[1:]
+            out += piece
+        return _clean_spaces(bytes(out)) if self._clean_spaces else bytes(out)
+
+    def detokenize(self, tokens: Iterable[int], special: bool = False) -> str:
+        """Text of `tokens`; control tokens are left out unless special=True."""
+        return self.detokenize_bytes(tokens, special).decode("utf-8", errors="replace")
+
+    def is_eog(self, tok: int) -> bool:
+        return tok in self.stop_ids
+
+    def token_text(self, tok: int) -> str:
+        """The vocabulary entry of `tok` as stored in the file (e.g. "▁the", "Ġthe", "<0x0A>")."""
+        return self._tokens[tok]
+
+    def stream_decoder(self, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special)
+
+
+class StreamDecoder:
+    """Turns token ids into text one at a time, holding back an unfinished UTF-8 sequence.
+
+    An emoji split over several byte tokens comes out whole with the token that completes it;
+    bytes that can never form a character come out as U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._special = special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tok: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_to_bytes(tok, self._special), final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete sequence becomes U+FFFD); the decoder is reset."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+
+Tokenizer.StreamDecoder = StreamDecoder
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _merge(sym: list[str], priority: Callable[[str, str], float | None]) -> list[str]:
+    """Merge adjacent symbols until no pair has a priority, best pair (lowest value, then
+    leftmost) first; the merge loop of llama.cpp's SPM (priority -score) and BPE (rank)."""
+    n = len(sym)                               # sym[i]: text of symbol i, "" once merged away
+    nxt = [*range(1, n), -1] if n else []
+    prev = list(range(-1, n - 1))
+    queue: list[tuple[float, int, int, str]] = []    # (priority, left, right, merged text)
+
+    def push(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            p = priority(sym[left], sym[right])
+            if p is not None:
+                heapq.heappush(queue, (p, left, right, sym[left] + sym[right]))
+
+    for i in range(1, n):
+        push(i - 1, i)
+    while queue:
+        _, left, right, merged = heapq.heappop(queue)
+        if not sym[left] or not sym[right] or sym[left] + sym[right] != merged:
+            continue                               # a side has changed since it was queued
+        sym[left], sym[right] = merged, ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        push(prev[left], left)
+        push(left, nxt[left])
+    return [piece for piece in sym if piece]
+
+
+def _special_buckets(tokens: list[str], attrs: np.ndarray,
+                     parse_special: bool) -> dict[str, list[tuple[int, str, int]]]:
+    """The special tokens matched in text, as {first two characters: [(rank, text, id), ...]}.
+    Rank orders them longest text first (ties by id), the order llama.cpp cuts them out in; the
+    buckets let a text be searched only for the tokens that can occur in it."""
+    matched = (attrs & _SPECIAL_ATTRS) != 0
+    if not parse_special:                      # then only USER_DEFINED tokens are
+        matched &= (attrs & _HIDDEN_ATTRS) == 0
+    ids = np.flatnonzero(matched).tolist()
+    ordered = sorted(ids, key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+    buckets: dict[str, list[tuple[int, str, int]]] = {}
+    for rank, tid in enumerate(ordered):
+        buckets.setdefault(tokens[tid][:2], []).append((rank, tokens[tid], tid))
+    return buckets
+
+
+def _token_id(md: Mapping[str, Any], key: str, default: int | None, n_vocab: int) -> int | None:
+    """The id the file gives for `key`, else `default`; ids outside the vocabulary are ignored."""
+    tid = default if default is not None and default < n_vocab else None
+    value = md.get(key)
+    if value is not None and 0 <= int(value) < n_vocab:
+        tid = int(value)
+    return tid
+
+
+def _special_roles(md: Mapping[str, Any], tokens: list[str], token_to_id: dict[str, int],
+                   attrs: np.ndarray, eos_id: int | None) -> tuple[int | None, frozenset[int]]:
+    """(EOT id, end-of-generation ids). Roles the file does not name are found by token text,
+    as llama.cpp does, and those tokens become CONTROL (updates `attrs` in place)."""
+    n = len(tokens)
+    index = {t: token_to_id[t] for t in _ROLE_TEXTS if t in token_to_id}
+
+    def by_text(key: str, texts: Iterable[str]) -> int | None:
+        tid = _token_id(md, key, None, n)
+        if tid is not None:
+            return tid
+        found = [index[t] for t in texts if t in index]
+        if not found:
+            return None
+        tid = min(found)                       # llama.cpp: hash-map order; lowest id is stable
+        attrs[tid] |= ATTR_CONTROL
+        return tid
+
+    eot_id = by_text("tokenizer.ggml.eot_token_id", _EOT_TEXTS)
+    eom_id = by_text("tokenizer.ggml.eom_token_id", _EOM_TEXTS)
+    fim = {role: by_text(f"tokenizer.ggml.fim_{role}_token_id", texts)
+           for role, texts in _FIM_TEXTS.items()}
+    stop = {fim[r] for r in ("pad", "rep", "sep") if fim[r] is not None}
+    for t in _EOG_TEXTS:
+        if t in index:
+            stop.add(index[t])
+            attrs[index[t]] |= ATTR_CONTROL
+    for t in _ALWAYS_USER_DEFINED:
+        if t in index:
+            attrs[index[t]] = ATTR_USER_DEFINED
+    stop |= {i for i in (eos_id, eot_id, eom_id) if i is not None}
+    names = {tokens[i] for i in stop}
+    if ({"<|return|>", "<|call|>", "<|end|>"} <= names
+            or {"<|calls|>", "<|flush|>", "<|end|>"} <= names):   # harmony / solar-open
+        stop.discard(index["<|end|>"])
+        attrs[index["<|end|>"]] = ATTR_USER_DEFINED
+    if {"<|tool_response>", "</s>"} <= names:                     # gemma4 / paddleocr
+        stop.discard(index["</s>"])
+        attrs[index["</s>"]] = ATTR_NORMAL
+    return eot_id, frozenset(stop)
+
+
+def _merge_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
+    """("left", "right") -> rank, from merges written "left right" (the first one wins)."""
+    pairs = []
+    for merge in merges:
+        cut = merge.find(" ", 1)
+        pairs.append((merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", ""))
+    n = len(pairs)
+    return dict(zip(reversed(pairs), range(n - 1, -1, -1)))
+
+
+def _valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (not encodable as UTF-8) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _byte_decode(text: str) -> bytes:
+    """GPT-2 alphabet text back to its bytes (llama.cpp marks characters outside the alphabet)."""
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in text)
+    except KeyError:
+        out = bytearray()
+        for c in text:
+            b = _CHAR_TO_BYTE.get(c)
+            if b is not None:
+                out.append(b)
+            else:
+                out += b"[UNK_BYTE_0x" + c.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+        return bytes(out)
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """llama.cpp's clean-up of tokenizer spaces, its three passes in order:
+    " ?" " !" " ." " ," lose the space; " ' " becomes "'"; " 's" " 'm" " 're" " 've" lose the space."""
+    buf = bytearray(text)
+    n = len(buf)
+    if n == 0:
+        return b""
+    # pass 1
+    k = 1
+    for i in range(1, n):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x in b"?!.,":
+            k -= 1
+        buf[k] = x
+        k += 1
+    n, k, i = k, 1, 1
+    # pass 2: the space after the apostrophe is blanked out (NUL) and skipped, as in llama.cpp
+    while i < n:
+        x = buf[i]
+        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
+            k -= 1
+            i += 1
+            buf[i] = 0
+        buf[k] = x
+        k += 1
+        i += 1
+    n, k = k, 1
+    # pass 3
+    for i in range(1, n):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = buf[i + 1]
+            if x1 in b"sm" or (i + 2 < n and x1 in b"rv" and buf[i + 2] == 0x65):   # 's 'm 're 've
+                k -= 1
+        buf[k] = x
+        k += 1
+    return bytes(buf[:k])
