@@ -84,6 +84,9 @@ def test_synthetic_matches_llamacpp(tmp_path, arch, tname):
     assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/make_oracle.py"
     model = edgellm.load(path, n_ctx=64, n_batch=64)
     top1, kl = compare(model.logits(rec["tokens"]), rec)
-    # random weights give flat, near-tied distributions: one flipped near-tie is allowed
-    assert top1.mean() >= 1 - 1.5 / len(top1), (top1.mean(), kl.max())
+    # random weights give flat, near-tied distributions: top-1 must agree wherever llama.cpp's
+    # first choice leads its second by more than the 8-bit activation noise (0.05 in logits)
+    decisive = rec["top_logits"][:, 0] - rec["top_logits"][:, 1] > 0.05
+    assert decisive.sum() >= len(top1) // 2
+    assert top1[decisive].all(), (top1.mean(), kl.max())
     assert kl.mean() <= 0.01 and kl.max() <= 0.05, (kl.mean(), kl.max())
