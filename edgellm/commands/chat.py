@@ -1,0 +1,91 @@
+"""`edgellm chat [MODEL]`: the terminal chat UI. `edgellm run` without -p on a terminal ends up in
+`run(args)` here too, so every attribute it reads that `run`'s parser might lack has a default."""
+from __future__ import annotations
+
+import argparse
+
+from edgellm.errors import InvalidArgumentError
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+def gpu_layers_arg(value: str) -> int | str:
+    """N | -1 (all) | auto, as `edgellm.load(gpu_layers=...)` takes it."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers, -1 (all) or 'auto', got {value!r}") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"--gpu-layers must be >= -1, got {n}")
+    return n
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model and offload flags shared with `edgellm run`."""
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="GGUF file or known model name (default: the default model, fetched on first use)")
+    parser.add_argument("--gpu-layers", "-ngl", type=gpu_layers_arg, default=0, metavar="N|auto|-1",
+                        help="transformer blocks to run on the GPU (-1: all, auto: as many as fit; default 0)")
+    parser.add_argument("-c", "--ctx", type=int, default=4096, metavar="N", help="context size in tokens")
+    parser.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temp", type=float, default=0.8, metavar="T", help="temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=40, metavar="K")
+    parser.add_argument("--top-p", type=float, default=0.95, metavar="P")
+    parser.add_argument("--min-p", type=float, default=0.05, metavar="P")
+    parser.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R")
+    parser.add_argument("--seed", type=int, default=None, metavar="S")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                        help=f"longest answer in tokens (default {DEFAULT_MAX_TOKENS}; editable in the app)")
+    parser.add_argument("--system", default="", metavar="TEXT", help="system prompt (editable in the app)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import edgellm
+    from edgellm.fetch import resolve_model
+    from edgellm.tui.app import run_chat
+    from edgellm.tui.session import ChatSettings
+
+    if args.ctx < 1:
+        raise InvalidArgumentError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+    settings = ChatSettings(
+        system_prompt=getattr(args, "system", None) or "",
+        temperature=args.temp,
+        top_p=args.top_p,
+        max_tokens=_max_tokens(args),
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+    # A first-use download prints its progress here, on the plain terminal, before the UI starts;
+    # loading the file (seconds) then happens behind the app's loading screen.
+    path = resolve_model(args.model, quiet=False)
+    load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
+    for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
+        if getattr(args, flag, None) is not None:
+            load_options[option] = getattr(args, flag)
+
+    def load():
+        return edgellm.load(path, **load_options)
+
+    return run_chat(load, settings)
+
+
+def _max_tokens(args: argparse.Namespace) -> int:
+    """`chat` has --max-tokens; `run` spells it -n (dest n or n_predict); negative means no limit
+    in llama.cpp, which a chat answer still needs, so fall back to the default."""
+    for name in ("max_tokens", "n_predict", "n"):
+        value = getattr(args, name, None)
+        if value is not None and value > 0:
+            return value
+    return DEFAULT_MAX_TOKENS

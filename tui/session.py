@@ -1,0 +1,65 @@
+"""The conversation and the sampling settings of one chat, free of any UI code.
+
+The app keeps one `ChatSession`; every request sends the whole conversation (system prompt first) to
+`Model.chat`, which renders it with the model's chat template.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from edgellm.errors import InvalidArgumentError
+
+
+@dataclass
+class ChatSettings:
+    """What the settings screen edits (system prompt, temperature, top-p, max tokens) plus the
+    sampling flags the command line passes through unchanged."""
+
+    system_prompt: str = ""
+    temperature: float = 0.8
+    top_p: float = 0.95
+    max_tokens: int = 512
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError(f"max tokens must be >= 1, got {self.max_tokens}")
+
+    def sampling(self) -> dict:
+        """Keyword arguments for `Model.chat` (everything except the system prompt)."""
+        kwargs = asdict(self)
+        del kwargs["system_prompt"]
+        return kwargs
+
+
+@dataclass
+class ChatSession:
+    """The turns of one conversation: [{"role": "user" | "assistant", "content": str}, ...]."""
+
+    turns: list[dict] = field(default_factory=list)
+
+    def messages(self, system_prompt: str) -> list[dict]:
+        """The request for `Model.chat`: the system prompt (if any) and then every turn."""
+        system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+        return system + [dict(turn) for turn in self.turns]
+
+    def add_user(self, text: str) -> None:
+        self.turns.append({"role": "user", "content": text})
+
+    def add_assistant(self, text: str) -> None:
+        self.turns.append({"role": "assistant", "content": text})
+
+    def drop_last_user(self) -> None:
+        """Forget a question that got no answer (the context was full), so the next one can fit."""
+        if self.turns and self.turns[-1]["role"] == "user":
+            self.turns.pop()
+
+    def clear(self) -> None:
+        self.turns.clear()
