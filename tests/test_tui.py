@@ -178,6 +178,27 @@ def test_ctrl_n_during_generation_discards_the_answer():
     run(scenario())
 
 
+@pytest.mark.parametrize("delay_s", [0.01, 0.05])
+def test_quitting_during_generation_is_clean(delay_s):
+    fake = FakeModel(LONG_REPLY, delay_s=delay_s)
+
+    async def scenario():
+        app = ChatApp(fake, ChatSettings(max_tokens=400))
+        async with app.run_test(size=(80, 24)) as pilot:
+            screen = app.screen
+            await ask(pilot, "go")
+            await wait_for(pilot, lambda: screen.answer is not None and screen.answer.text, what="a token")
+            await pilot.press("ctrl+q")
+        return app
+
+    app = run(scenario())       # run_test re-raises anything the app raised while closing
+    assert app.return_code == 0
+    deadline = time.monotonic() + 5
+    while fake.streaming.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake.streams_closed == 1 and fake.tokens_streamed < 400
+
+
 # --- side panel ----------------------------------------------------------------------------------
 def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model():
     fake = FakeModel(delay_s=0.08, gpu_layers=12)     # ~2 s of streaming: several panel refreshes
@@ -394,6 +415,17 @@ def test_chat_command_arguments():
     assert chat._max_tokens(argparse.Namespace(n=-1)) == chat.DEFAULT_MAX_TOKENS
     with pytest.raises(SystemExit):
         parser.parse_args(["--gpu-layers", "most"])
+
+
+def test_chat_command_refuses_to_draw_into_a_pipe(monkeypatch):
+    from edgellm.commands import chat
+    from edgellm.errors import InvalidArgumentError
+
+    parser = argparse.ArgumentParser()
+    chat.add_arguments(parser)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    with pytest.raises(InvalidArgumentError, match="needs a terminal"):
+        chat.run(parser.parse_args([]))
 
 
 # --- the real default model ----------------------------------------------------------------------

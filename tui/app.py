@@ -58,7 +58,8 @@ class ChatApp(App):
 
     def on_model_loaded(self, message: ModelLoaded) -> None:
         self.model = message.model
-        self.open_chat()
+        if self.is_running:         # not when the user quit while the model was loading
+            self.open_chat()
 
     def on_model_load_failed(self, message: ModelLoadFailed) -> None:
         self.load_error = message.error

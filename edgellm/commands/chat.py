@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from edgellm.errors import InvalidArgumentError
 
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.tui.app import run_chat
     from edgellm.tui.session import ChatSettings
 
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise InvalidArgumentError(
+            "the chat UI needs a terminal (stdin and stdout); for pipes use `edgellm run -p PROMPT`")
     if args.ctx < 1:
         raise InvalidArgumentError(f"--ctx must be a positive number of tokens, got {args.ctx}")
     settings = ChatSettings(

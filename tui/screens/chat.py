@@ -6,6 +6,7 @@ answer; the worker then closes the generator, which is how the model learns to s
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 
@@ -51,6 +52,8 @@ class ChatScreen(Screen):
         # One generation at a time touches the model: a stopped worker may still be inside
         # `next()` when the next request starts; the new worker waits for it here.
         self._model_lock = threading.Lock()
+        # Ending an answer and clearing the chat both await widget updates; they take turns.
+        self._log_lock = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -69,7 +72,8 @@ class ChatScreen(Screen):
         self.query_one("#prompt", Input).focus()
 
     def refresh_panel(self) -> None:
-        self.query_one(StatsPanel).show_stats(self.latest_stats)
+        if self.is_attached:
+            self.query_one(StatsPanel).show_stats(self.latest_stats)
 
     # --- asking ---------------------------------------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -87,7 +91,7 @@ class ChatScreen(Screen):
         self.answer = AssistantMessage()
         await log.add(self.answer)
         self.generation_id += 1
-        self.generating = self.busy = True
+        self.generating = True
         self.worker = self.generate(
             self.generation_id, self.session.messages(self.settings.system_prompt), self.settings.sampling()
         )
@@ -126,27 +130,34 @@ class ChatScreen(Screen):
             stats = copy.deepcopy(self.model.stats)
         self.post_message(GenerationFinished(generation_id, reason, error, stats))
 
+    def _is_current(self, message: TokenStreamed | GenerationFinished) -> bool:
+        """False for the tail of a stopped generation, and while the app is quitting (the worker
+        then reports "stopped" to a screen that is already detached: nothing may be mounted)."""
+        return message.generation_id == self.generation_id and self.generating and self.is_attached
+
     def on_token_streamed(self, message: TokenStreamed) -> None:
-        if message.generation_id != self.generation_id or not self.generating:
-            return      # the tail of a stopped generation
+        if not self._is_current(message):
+            return
         self.answer.feed(message.text)
         self.latest_stats = message.stats
         self.query_one(StatsPanel).record_token(message.stats)
 
     async def on_generation_finished(self, message: GenerationFinished) -> None:
-        if message.generation_id != self.generation_id or not self.generating:
+        if not self._is_current(message):
             return
         self.latest_stats = message.stats
         await self.end_answer(message.reason, message.error)
 
     async def end_answer(self, reason: str, error: str | None) -> None:
-        """Keep what was generated (also when stopped) and say why the answer ended.
-
-        The conversation is updated before the first await, so a question submitted meanwhile
-        can never land before the answer it follows.
-        """
+        """Stop accepting chunks, then keep what was generated (also when stopped) and say why the
+        answer ended. Questions wait (`busy`) until this is done, so turns stay in order."""
         self.generating = False
-        answer, log = self.answer, self.query_one(ChatLog)
+        async with self._log_lock:
+            await self._note_answer(self.answer, reason, error)
+        self.busy = False
+
+    async def _note_answer(self, answer: AssistantMessage, reason: str, error: str | None) -> None:
+        log = self.query_one(ChatLog)
         if answer.text:
             self.session.add_assistant(answer.text)
         else:
@@ -166,7 +177,6 @@ class ChatScreen(Screen):
         if notice is not None:
             await log.add(notice)
         self.refresh_panel()
-        self.busy = False
 
     # --- key actions ----------------------------------------------------------------------------
     async def action_stop(self) -> None:
@@ -180,10 +190,11 @@ class ChatScreen(Screen):
             self.worker.cancel()
             self.generating = self.busy = False
         self.generation_id += 1         # whatever the old worker still posts is now stale
-        self.answer = None
-        self.session.clear()
-        await self.query_one(ChatLog).clear()
-        self.query_one(StatsPanel).clear_history()
+        async with self._log_lock:
+            self.answer = None
+            self.session.clear()
+            await self.query_one(ChatLog).clear()
+            self.query_one(StatsPanel).clear_history()
         self.query_one("#prompt", Input).focus()
 
     def action_settings(self) -> None:

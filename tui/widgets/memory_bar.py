@@ -1,8 +1,8 @@
 """A stacked memory bar for one device: title line, bar, legend (3 rows).
 
-    RAM  rss 312M  ledger 150M
-    ████████▓▓▒▒░░░░░░░░░░░░░░
-    ■W 98M ■KV 12M ■O 40M
+    RAM  rss 312M / 15.6G
+    ████████████████░░░░░░░░░░      weights, KV cache, other in their colours; ░ = rest of capacity
+    ■W 92M ■KV 90M ■O 3.0M
 """
 from __future__ import annotations
 
