@@ -1,12 +1,15 @@
 """CPU backend: the ops model code calls, on NumPy arrays; quantized products run in Numba kernels.
 
-Every op writes into an out-parameter (or works in place). The arithmetic follows ggml's CPU code
+`CPUBackend` runs every op in Numba (kernels/cpu/ops.py) and adds two fused ops for the decoder;
+`NumpyBackend` holds the same ops in plain NumPy, their reference twins. Every op writes into an
+out-parameter (or works in place). The arithmetic follows ggml's CPU code
 where the order of rounding matters for matching llama.cpp: RMSNorm sums squares in float64 and
 scales in float32; RoPE angles are built by repeated float32 multiplication like ggml's rope cache;
 softmax is float32 with the max subtracted.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,14 +61,25 @@ class KVLayer:
     def slots(self, positions: np.ndarray) -> np.ndarray:
         return positions % self.size
 
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
+        if getattr(self, "_kernel_arrays", None) is None:
+            bits = self.k.dtype == np.float16
+            self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
+        return self._kernel_arrays
 
-class CPUBackend:
+
+class NumpyBackend:
+    """The ops in plain NumPy: the slow, obviously-correct twin of every Numba op of `CPUBackend`
+    (tests/test_ops_cpu.py holds them together). Products already run in the Numba kernels."""
+
     device = "cpu"
     xp = np
 
     def __init__(self, threads: int | None = None):
         self.threads = threads
         self._kernels = None
+        self.rope_tables = RopeTables()
 
     # --- weights --------------------------------------------------------------------------
     @property
@@ -128,9 +142,9 @@ class CPUBackend:
              neox: bool) -> None:
         """In place on x (n_tok, n_head, head_dim). Normal layout rotates pairs (2i, 2i+1); neox
         rotates (i, i + n_rot/2). theta_i = pos * freq_scale * base^(-2i/n_rot)."""
-        cos, sin = rope_cache(pos, n_rot, freq_base, freq_scale)  # (n_tok, n_rot/2)
-        cos = cos[:, None, :]
-        sin = sin[:, None, :]
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
+        cos = cos[pos][:, None, :]  # (n_tok, 1, n_rot/2)
+        sin = sin[pos][:, None, :]
         half = n_rot // 2
         if neox:
             x0 = x[..., :half].copy()
@@ -173,6 +187,7 @@ class CPUBackend:
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
+        s = s.astype(kv.v.dtype).astype(F32)  # ggml rounds P to the V cache type for the P V product
         o = np.matmul(s, v.transpose(1, 0, 2))  # (n_kv, n_tok*g, hd_v)
         hd_v = v.shape[-1]
         out[:] = o.reshape(n_kv, n_tok, g, hd_v).transpose(1, 0, 2, 3).reshape(n_tok, n_head * hd_v)
@@ -184,13 +199,199 @@ class CPUBackend:
         np.multiply(silu, up, out=out)
 
     def gelu_mul(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
-        """out = gelu_tanh(gate) * up"""
-        g = gate
-        t = np.tanh(F32(math.sqrt(2.0 / math.pi)) * (g + F32(0.044715) * g * g * g))
-        np.multiply(F32(0.5) * g * (F32(1.0) + t), up, out=out)
+        """out = gelu_tanh(gate) * up, as ggml's CPU computes it: for |gate| < 10 the GELU is read
+        from a table of f16 values indexed by gate rounded to f16; 0 below -10, identity above 10."""
+        table = gelu_f16_table()
+        y = table[gate.astype(np.float16).view(np.uint16)]
+        y = np.where(gate <= F32(-10.0), F32(0.0), np.where(gate >= F32(10.0), gate, y))
+        np.multiply(y, up, out=out)
 
     def scale(self, x: np.ndarray, s: float) -> None:
         x *= F32(s)
+
+
+class CPUBackend(NumpyBackend):
+    """The CPU backend: the NumpyBackend ops as Numba kernels (kernels/cpu/ops.py), plus two fused
+    ops the decoder uses when a backend has them (`qkv_attention`, `add_rms_norm`), so a decode
+    step of a layer is a handful of kernel calls instead of ~20 NumPy ones."""
+
+    # a batch of this many tokens or more attends with BLAS products per KV head; fewer loop in Numba
+    BLAS_ATTENTION_TOKENS = 16
+    # queries per BLAS attention block: bounds the score buffer, and (no ring wrap) skips the keys
+    # that no query of the block may see
+    QUERY_BLOCK = 128
+
+    def __init__(self, threads: int | None = None):
+        super().__init__(threads)
+        self._ops = None
+        self._bound: dict[int, tuple] = {}  # id(QMatrix) -> (the QMatrix, kernels' bound Matrix)
+
+    def _matrix(self, w: QMatrix):
+        """w bound to its kernels once (checks and kernel lookup paid at the first product)."""
+        entry = self._bound.get(id(w))
+        if entry is None:
+            entry = self._bound[id(w)] = (w, self.kernels.bind(w.ggml_type, w.data, w.n_cols))
+        return entry[1]
+
+    def linear(self, w: QMatrix, x: np.ndarray, out: np.ndarray) -> None:
+        m = self._matrix(w)
+        if x.shape[0] == 1:
+            m.matvec(x[0], out[0])
+        else:
+            m.matmul(x, out)
+
+    def linear_many(self, ws, x: np.ndarray, outs) -> None:
+        """outs[i] = x @ ws[i].T for matrices sharing their input (q/k/v, gate/up): one token's x
+        is converted to each activation format once."""
+        if x.shape[0] == 1 and all(isinstance(w, QMatrix) for w in ws):
+            self.kernels.matvec_many([self._matrix(w) for w in ws], x[0], [o[0] for o in outs])
+        else:  # batches, and subclasses with weights of their own (the reference backend)
+            for w, out in zip(ws, outs):
+                self.linear(w, x, out)
+
+    @property
+    def ops(self):
+        if self._ops is None:
+            self.kernels  # sets the thread count and the kernel cache dir first
+            from edgellm.kernels.cpu import ops
+
+            self._ops = ops
+        return self._ops
+
+    def add(self, x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+        np.add(x, y, out=out)  # one vectorized NumPy call; nothing to gain in Numba
+
+    def rms_norm(self, x, w, eps, out) -> None:
+        n = x.shape[-1]
+        self.ops.rms_norm(x.reshape(-1, n), _NONE if w is None else w, eps, out.reshape(-1, n))
+
+    def add_rms_norm(self, x, o, post_w, next_w, eps, h) -> None:
+        """Residual step: o = rms_norm(o) * post_w (if given); x += o; h = rms_norm(x) * next_w
+        (if given). x, o, h (n_tok, n_embd)."""
+        self.ops.add_rms_norm(x, o, _NONE if post_w is None else post_w, _NONE if next_w is None else next_w,
+                              eps, x if h is None else h)
+
+    def rope(self, x, pos, n_rot, freq_base, freq_scale, neox) -> None:
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
+        self.ops.rope(x, cos, sin, pos, n_rot, neox)
+
+    def silu_mul(self, gate, up, out) -> None:
+        n = gate.shape[-1]
+        self.ops.silu_mul(gate.reshape(-1, n), up.reshape(-1, n), out.reshape(-1, n))
+
+    # gelu_mul stays NumPy's (the twin): its vectorized tanh beats Numba's scalar libm call ~2x
+
+    def attention(self, q, kv, pos, scale, out) -> None:
+        kc, vc = kv.kernel_arrays()
+        if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
+            return super().attention(q, kv, pos, scale, out)
+        if q.shape[0] >= self.BLAS_ATTENTION_TOKENS:
+            self._attention_blas(q, kc, vc, kv, pos, F32(scale), out)
+            return
+        used = kv.n_used
+        heavy = used * q.shape[1] * q.shape[2] >= self.ops.PARALLEL_ATTN_ELEMENTS
+        attend = self.ops.attend_parallel if heavy else self.ops.attend
+        attend(q, kc, vc, kv.pos, used, pos, kv.window, F32(scale), out)
+
+    def _attention_blas(self, q, kc, vc, kv, pos, scale, out) -> None:
+        """Attention of a batch: per KV head and block of queries, scores = Q K^T (BLAS), masked
+        softmax (Numba), out = P V (BLAS). The cache is converted to float32 once per call."""
+        ops = self.ops
+        n_tok, n_head, hd = q.shape
+        used, n_kv, hd_v = kv.n_used, kc.shape[1], vc.shape[2]
+        g = n_head // n_kv
+        k = np.empty((n_kv, used, hd), F32)
+        v = np.empty((n_kv, used, hd_v), F32)
+        ops.cache_to_f32(kc[:used], k)
+        ops.cache_to_f32(vc[:used], v)
+        qr = np.empty_like(q)
+        ops.round_to_cache(q, kc, qr)
+        qh = qr.reshape(n_tok, n_kv, g, hd).transpose(1, 0, 2, 3)  # (n_kv, n_tok, g, hd)
+        out4 = out.reshape(n_tok, n_kv, g, hd_v)
+        # slot j holds position j until the ring wraps: then a block needs only slots [lo, hi)
+        in_order = int(kv.pos[:used].max()) < kv.size
+        for t0 in range(0, n_tok, self.QUERY_BLOCK):
+            t1 = min(n_tok, t0 + self.QUERY_BLOCK)
+            bpos = pos[t0:t1]
+            lo, hi = 0, used
+            if in_order:
+                hi = min(used, int(bpos.max()) + 1)
+                if kv.window:
+                    lo = max(0, int(bpos.min()) - kv.window + 1)
+            kpos = kv.pos[lo:hi]
+            for h in range(n_kv):
+                qb = np.ascontiguousarray(qh[h, t0:t1]).reshape((t1 - t0) * g, hd)
+                s = qb @ k[h, lo:hi].T  # ((t1 - t0) * g, hi - lo)
+                ops.masked_softmax(s, bpos, g, kpos, kv.window, scale, vc[0, 0, 0])
+                out4[t0:t1, h] = (s @ v[h, lo:hi]).reshape(t1 - t0, g, hd_v)
+
+    def qkv_attention(self, q, k, v, *, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox,
+                      kv, pos, scale, out) -> None:
+        """Everything from the q, k, v projections to the attention output in two kernel calls:
+        + biases, QK-norm, RoPE, k and v into the cache (one call), attention (one call).
+        q (n_tok, n_head, hd_k), k (n_tok, n_kv, hd_k), v (n_tok, n_kv, hd_v), all changed in place;
+        biases (bq, bk, bv) and the norms may be None; out (n_tok, n_head * hd_v)."""
+        kc, vc = kv.kernel_arrays()
+        if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
+            return qkv_attention_by_ops(self, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base,
+                                         freq_scale, neox, kv, pos, scale, out)
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos[-1]) + 1)
+        bq, bk, bv = (_NONE if b is None else b for b in biases)
+        self.ops.prepare_qkv(q, k, v, bq, bk, bv, _NONE if q_norm is None else q_norm,
+                             _NONE if k_norm is None else k_norm, eps, cos, sin, pos, n_rot, neox,
+                             kc, vc, kv.pos, kv.size)
+        last = int(pos[-1]) % kv.size if len(pos) == 1 else int((pos % kv.size).max())
+        kv.n_used = max(kv.n_used, last + 1)
+        self.attention(q, kv, pos, scale, out)
+
+
+def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox, kv, pos,
+                          scale, out) -> None:
+    """`qkv_attention` as a sequence of the primitive backend ops (any backend)."""
+    for x, bias in zip((q, k, v), biases):
+        if bias is not None:
+            b.add(x, bias.reshape(x.shape[1:]), x)
+    if q_norm is not None:
+        b.rms_norm(q, q_norm, eps, q)
+    if k_norm is not None:
+        b.rms_norm(k, k_norm, eps, k)
+    b.rope(q, pos, n_rot, freq_base, freq_scale, neox)
+    b.rope(k, pos, n_rot, freq_base, freq_scale, neox)
+    b.kv_store(kv, k, v, pos)
+    b.attention(q, kv, pos, scale, out)
+
+
+_NONE = np.empty(0, dtype=F32)  # "no weight" / "no bias" for the kernels (read-only use)
+
+
+@functools.lru_cache(maxsize=1)
+def gelu_f16_table() -> np.ndarray:
+    """float32 (65536,): ggml's GELU table, GELU-tanh of every f16 value computed in float32 and
+    stored as f16 (read-only)."""
+    x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = np.tanh(F32(math.sqrt(2.0 / math.pi)) * x * (F32(1.0) + F32(0.044715) * x * x))
+        g = F32(0.5) * x * (F32(1.0) + t)
+    table = g.astype(np.float16).astype(F32)
+    table.flags.writeable = False
+    return table
+
+
+class RopeTables:
+    """cos, sin float32 (n_pos, n_rot/2) per (n_rot, freq_base, freq_scale), built once with
+    `rope_cache` for positions 0..n_pos-1 (a row depends only on its position, so indexing the
+    table gives the same numbers as building it for the batch) and regrown by doubling."""
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, n_rot: int, freq_base: float, freq_scale: float, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (n_rot, float(freq_base), float(freq_scale))
+        t = self._tables.get(key)
+        if t is None or t[0].shape[0] < n_pos:
+            size = max(1024, 1 << (max(n_pos, 1) - 1).bit_length())
+            t = self._tables[key] = rope_cache(np.arange(size, dtype=np.int64), n_rot, freq_base, freq_scale)
+        return t
 
 
 def rope_cache(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:

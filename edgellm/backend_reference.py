@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgellm.backend_cpu import CPUBackend
+from edgellm.backend_cpu import NumpyBackend
 from edgellm.gguf_file import TensorInfo
 
 
-class ReferenceBackend(CPUBackend):
+class ReferenceBackend(NumpyBackend):
     device = "cpu"
 
     def weight(self, t: TensorInfo):

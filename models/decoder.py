@@ -7,9 +7,12 @@ the code never asks which quant type or device a weight has: each layer's backen
 from __future__ import annotations
 
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
+
+from edgellm.backend_cpu import qkv_attention_by_ops
 
 # Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional.
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -25,6 +28,7 @@ class Decoder:
     def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend):
         self.cfg = cfg
         self.embed_backend = embed_backend
+        self._scratch: dict[tuple[int, int], SimpleNamespace] = {}  # (id(backend), n_tok) -> buffers
         self.output_backend = output_backend
         self.layer_backends = list(layer_backends)
         self.token_embd = embed_backend.weight(gf.tensor("token_embd.weight"))
@@ -61,68 +65,83 @@ class Decoder:
             return cfg.rope_freq_base_swa, 1.0
         return cfg.rope_freq_base, cfg.rope_freq_scale
 
+    def scratch(self, b, n: int) -> SimpleNamespace:
+        """Activation buffers of a block of n tokens on backend b, allocated once and reused by every
+        layer on b (kept for n = 1 and the latest batch size)."""
+        key = (id(b), n)
+        s = self._scratch.get(key)
+        if s is None:
+            for old in [k for k in self._scratch if k[0] == id(b) and k[1] != 1]:
+                del self._scratch[old]
+            cfg = self.cfg
+            shapes = dict(h=cfg.n_embd, q=cfg.n_head * cfg.head_dim_k, k=cfg.n_head_kv * cfg.head_dim_k,
+                          v=cfg.n_head_kv * cfg.head_dim_v, a=cfg.n_head * cfg.head_dim_v, o=cfg.n_embd,
+                          gate=cfg.n_ff, up=cfg.n_ff)
+            s = self._scratch[key] = SimpleNamespace(**{name: b.empty((n, m)) for name, m in shapes.items()})
+        return s
+
     def block(self, il: int, b, x, pos: np.ndarray, kv) -> None:
-        """One transformer block on backend b, x (n_tok, n_embd) updated in place."""
+        """One transformer block on backend b, x (n_tok, n_embd) updated in place.
+
+        Backends may offer fused ops (CPUBackend does): `linear_many` (products sharing an input),
+        `qkv_attention` (biases, QK-norm, RoPE, cache store, attention) and `add_rms_norm`
+        (post-norm, residual, next norm); otherwise the same steps run as the primitive ops."""
         cfg, L = self.cfg, self.blocks[il]
         n = x.shape[0]
         hd_k, hd_v, eps = cfg.head_dim_k, cfg.head_dim_v, cfg.rms_eps
+        s = self.scratch(b, n)
+        add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
+        qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
+        linear_many = getattr(b, "linear_many", None) or partial(_linear_many_by_ops, b)
 
         # attention rmsnorm
-        h = b.empty((n, cfg.n_embd))
-        b.rms_norm(x, L.attn_norm, eps, h)
-        # q, k, v projections (+ bias)
-        q = b.empty((n, cfg.n_head * hd_k))
-        k = b.empty((n, cfg.n_head_kv * hd_k))
-        v = b.empty((n, cfg.n_head_kv * hd_v))
-        for w, bias, out in ((L.attn_q, L.attn_q_bias, q), (L.attn_k, L.attn_k_bias, k), (L.attn_v, L.attn_v_bias, v)):
-            b.linear(w, h, out)
-            if bias is not None:
-                b.add(out, bias, out)
-        q3 = q.reshape(n, cfg.n_head, hd_k)
-        k3 = k.reshape(n, cfg.n_head_kv, hd_k)
-        v3 = v.reshape(n, cfg.n_head_kv, hd_v)
-        # per-head QK-norm
-        if L.attn_q_norm is not None:
-            b.rms_norm(q3, L.attn_q_norm, eps, q3)
-        if L.attn_k_norm is not None:
-            b.rms_norm(k3, L.attn_k_norm, eps, k3)
-        # rotary position embedding, then into the cache
+        b.rms_norm(x, L.attn_norm, eps, s.h)
+        # q, k, v projections
+        linear_many((L.attn_q, L.attn_k, L.attn_v), s.h, (s.q, s.k, s.v))
+        # (+ bias, per-head QK-norm, rotary position embedding), into the cache, attention over it
         base, scale = self.rope_params(il)
-        b.rope(q3, pos, cfg.n_rot, base, scale, self.ROPE_NEOX)
-        b.rope(k3, pos, cfg.n_rot, base, scale, self.ROPE_NEOX)
-        b.kv_store(kv, k3, v3, pos)
-        # attention over the cache, output projection
-        a = b.empty((n, cfg.n_head * hd_v))
-        b.attention(q3, kv, pos, cfg.attn_scale, a)
-        o = b.empty((n, cfg.n_embd))
-        b.linear(L.attn_output, a, o)
-        if L.post_attention_norm is not None:
-            b.rms_norm(o, L.post_attention_norm, eps, o)
-        # residual connection back into x
-        b.add(x, o, x)
-
-        # ffn rmsnorm, gated FFN
-        b.rms_norm(x, L.ffn_norm, eps, h)
-        gate = b.empty((n, cfg.n_ff))
-        up = b.empty((n, cfg.n_ff))
-        b.linear(L.ffn_gate, h, gate)
-        b.linear(L.ffn_up, h, up)
+        qkv_attention(s.q.reshape(n, cfg.n_head, hd_k), s.k.reshape(n, cfg.n_head_kv, hd_k),
+                      s.v.reshape(n, cfg.n_head_kv, hd_v),
+                      biases=(L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), q_norm=L.attn_q_norm,
+                      k_norm=L.attn_k_norm, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
+                      neox=self.ROPE_NEOX, kv=kv, pos=pos, scale=cfg.attn_scale, out=s.a)
+        # output projection, (post-norm,) residual connection back into x, ffn rmsnorm
+        b.linear(L.attn_output, s.a, s.o)
+        add_rms_norm(x, s.o, L.post_attention_norm, L.ffn_norm, eps, s.h)
+        # gated FFN
+        linear_many((L.ffn_gate, L.ffn_up), s.h, (s.gate, s.up))
         if self.ACTIVATION == "gelu":
-            b.gelu_mul(gate, up, gate)
+            b.gelu_mul(s.gate, s.up, s.gate)
         else:
-            b.silu_mul(gate, up, gate)
-        b.linear(L.ffn_down, gate, o)
-        if L.post_ffw_norm is not None:
-            b.rms_norm(o, L.post_ffw_norm, eps, o)
-        # residual connection
-        b.add(x, o, x)
+            b.silu_mul(s.gate, s.up, s.gate)
+        b.linear(L.ffn_down, s.gate, s.o)
+        # (post-norm,) residual connection
+        add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
 
     def head(self, x) -> np.ndarray:
         """Final norm and output head on the output backend; x (n, n_embd) on that backend.
-        Returns host float32 (n, n_vocab)."""
+        Returns host float32 (n, n_vocab), a new array."""
         b = self.output_backend
-        h = b.empty(x.shape)
+        h = self.scratch(b, x.shape[0]).h
         b.rms_norm(x, self.output_norm, self.cfg.rms_eps, h)
         logits = b.empty((x.shape[0], self.cfg.n_vocab))
         b.linear(self.output, h, logits)
         return b.to_host(logits)
+
+
+def _add_rms_norm_by_ops(b):
+    """`add_rms_norm` as primitive backend ops (any backend)."""
+
+    def add_rms_norm(x, o, post_w, next_w, eps, h) -> None:
+        if post_w is not None:
+            b.rms_norm(o, post_w, eps, o)
+        b.add(x, o, x)
+        if next_w is not None:
+            b.rms_norm(x, next_w, eps, h)
+
+    return add_rms_norm
+
+
+def _linear_many_by_ops(b, ws, x, outs) -> None:
+    for w, out in zip(ws, outs):
+        b.linear(w, x, out)

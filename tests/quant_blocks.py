@@ -46,3 +46,42 @@ def random_rows(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) ->
     for offset in F16_FIELDS[ggml_type]:
         blocks[:, offset:offset + 2] = _scales(rng, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n_rows, qt.row_bytes(n_cols))
+
+
+# --- NumPy reimplementations of ggml's CPU activation conversions (x86 / AVX2 rounding) ---------
+def f16_round(a) -> np.ndarray:
+    """float32 -> nearest half (ties to even) -> float32."""
+    with np.errstate(over="ignore"):  # beyond the half range: inf, as in ggml
+        return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def bf16_round(a) -> np.ndarray:
+    """float32 -> nearest bfloat16 (ties to even; nan stays nan) -> float32."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = np.where(nan, (u >> 16) | 64, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    return (r.astype(np.uint32) << 16).view(np.float32)
+
+
+def ref_q8_32(x: np.ndarray):
+    """ggml quantize_row_q8_0 / q8_1 (AVX2): (q int8, d = fp16(amax/127), sum(q), fp16(d * sum(q)))."""
+    xb = x.reshape(-1, 32)
+    amax = np.abs(xb).max(axis=1)
+    d = amax / np.float32(127.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * inv[:, None]).astype(np.int8)
+    s = q.astype(np.int32).sum(axis=1)
+    return q.reshape(-1), f16_round(d), s, f16_round(d * s.astype(np.float32))
+
+
+def ref_q8_k(x: np.ndarray):
+    """ggml quantize_row_q8_K_ref: (q int8, d float32 per 256, sums of q per 16)."""
+    xb = x.reshape(-1, 256)
+    vmax = xb[np.arange(xb.shape[0]), np.abs(xb).argmax(axis=1)]  # first of largest magnitude
+    zero = vmax == 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(zero, np.float32(0.0), np.float32(-127.0) / vmax).astype(np.float32)
+        d = np.where(zero, np.float32(0.0), np.float32(1.0) / iscale).astype(np.float32)
+    q = np.minimum(np.rint(xb * iscale[:, None]), 127).astype(np.int8)
+    return q.reshape(-1), d, q.astype(np.int32).reshape(-1, 16).sum(axis=1)

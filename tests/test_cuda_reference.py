@@ -193,7 +193,10 @@ def test_attention_ref_matches_cpu_backend_gqa_window_ring():
         out = np.empty((3, 6 * 32), dtype=np.float32)
         b.attention(q, kv, q_pos, 0.2, out)
         ref = attention_ref(q, kv.k, kv.v, kv.pos, q_pos, 0.2, window)
-        np.testing.assert_allclose(ref, out, rtol=1e-4, atol=1e-5)
+        # the CPU backend rounds the probabilities to the cache type before the P V product, as
+        # ggml does (f16: relative 2^-11 per weight); the CUDA kernel's online softmax does not
+        rtol = 2e-3 if dtype == np.float16 else 1e-4
+        np.testing.assert_allclose(ref, out, rtol=rtol, atol=rtol / 10)
 
 
 def test_attention_ref_facts():
@@ -221,7 +224,9 @@ def test_activation_refs_match_cpu_backend_and_known_values():
     _cpu().silu_mul(gate, up, out)
     np.testing.assert_allclose(silu_mul_ref(gate, up), out, rtol=1e-5, atol=1e-6)
     _cpu().gelu_mul(gate, up, out)
-    np.testing.assert_allclose(gelu_mul_ref(gate, up), out, rtol=1e-5, atol=1e-6)
+    # the CPU backend reads GELU from ggml's f16 table (input and output rounded to f16, relative
+    # 2^-11 each); the reference and the CUDA kernel use the formula in float32
+    np.testing.assert_allclose(gelu_mul_ref(gate, up), out, rtol=2e-3, atol=2e-3)
     ones = np.ones(3, dtype=np.float32)
     x = np.array([0.0, 1.0, -1.0], dtype=np.float32)
     np.testing.assert_allclose(silu_mul_ref(x, ones), [0.0, 0.7310585786, -0.2689414214], rtol=1e-6)

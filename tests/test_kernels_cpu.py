@@ -1,4 +1,5 @@
-"""edgellm.kernels.cpu against gguf.quants.dequantize (bit-exact) and a float64 reference product."""
+"""edgellm.kernels.cpu against gguf.quants.dequantize (bit-exact), NumPy reimplementations of
+ggml's activation conversions (bit-exact), and ggml's products evaluated exactly in float64."""
 from __future__ import annotations
 
 import subprocess
@@ -12,11 +13,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from edgellm.errors import InvalidArgumentError, UnsupportedTensorTypeError
 from edgellm.kernels import cpu
 from edgellm.quants import QUANT_TYPES
-from quant_blocks import random_rows
+from quant_blocks import F16_FIELDS, bf16_round, f16_round, random_rows, ref_q8_32, ref_q8_k
 
 ALL_TYPES = list(QUANT_TYPES)
 DENSE = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
 K_QUANTS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
+WITH_Q8_1 = {GGMLType.Q4_1, GGMLType.Q5_1}  # x as Q8_1: the min term uses its fp16 s
 
 
 def widths(t):
@@ -30,33 +32,91 @@ def reference(t, raw):
     return np.asarray(gguf_dequantize(np.asarray(raw), t), np.float64).reshape(n_rows, -1)
 
 
-def tolerance(t, w64, x):
-    """Per-output bound on |kernel - float64 reference| for out = W @ x (w64 (n_rows, n_cols)).
+def split_weights(t, raw):
+    """(scale part, min part) of the weights, float64 (n_rows, n_cols), both exact: the gguf
+    dequantizer on copies with the min (dmin / m) field, resp. the scale (d) field, zeroed."""
+    fields = F16_FIELDS.get(t, ())
+    if len(fields) < 2:
+        w = reference(t, raw)
+        return w, np.zeros_like(w)
+    size = QUANT_TYPES[t].type_size
+    parts = []
+    for zeroed in (fields[1], fields[0]):
+        blocks = np.array(raw).reshape(raw.shape[0], -1, size)
+        blocks[..., zeroed:zeroed + 2] = 0
+        parts.append(reference(t, blocks.reshape(raw.shape)))
+    return parts[0], parts[1]
 
-    Quantized types: matvec rounds x to int8 in blocks of 32 with scale amax/127, so each x_i moves
-    by at most half a step, amax_b/254, and the product by at most sum_b amax_b/254 * sum_{i in b}|w_i|
-    (integer dot products are exact). Float types use x as is. On top, float32 rounding of the
-    scales and of the accumulation: well under 2e-5 relative to sum|w||x| for rows <= 4096 wide
-    (~(n/32 + 30) roundings of 2^-24 each, summed in absolute value).
-    """
-    absw = np.abs(w64)
-    x64 = np.abs(x.astype(np.float64))
-    bound = 2e-5 * (absw @ x64) + 1e-30
-    if t not in DENSE:
-        amax = x64.reshape(-1, 32).max(axis=1)  # (n_blocks,)
-        step = amax / 254.0 * (1 + 1e-5)
-        bound += absw.reshape(w64.shape[0], -1, 32).sum(axis=2) @ step
-    return bound
+
+def activation(t, x):
+    """x as ggml's CPU backend hands it to the product with weights of type t, float64 (exact),
+    and for Q8_1 the fp16 s of each block (else None)."""
+    fmt = cpu.activation_format(t)
+    if fmt == "q8_32":
+        q, d, _, s = ref_q8_32(x)
+        return q.astype(np.float64) * np.repeat(d.astype(np.float64), 32), s.astype(np.float64)
+    if fmt == "q8_k":
+        q, d, _ = ref_q8_k(x)
+        return q.astype(np.float64) * np.repeat(d.astype(np.float64), 256), None
+    rounded = {"f16": f16_round, "bf16": bf16_round, "f32": np.asarray}[fmt](x)
+    return rounded.astype(np.float64), None
+
+
+def ggml_product(t, w_scale, w_min, x, n_terms):
+    """(ggml's W @ x evaluated exactly, bound on float32 rounding): integer dot products and
+    fp16 scales are exact in float64; the kernel may differ by its float32 products and sums,
+    (n_terms + 16) roundings of 2^-24 relative to the sum of the terms' magnitudes."""
+    xv, s = activation(t, x)
+    if t in WITH_Q8_1:  # sum_b d_w * d_x * sum(q * xq) + m_w * s_x
+        m = w_min[:, ::32]
+        exact = w_scale @ xv + m @ s
+        mag = np.abs(w_scale) @ np.abs(xv) + np.abs(m) @ np.abs(s)
+    else:
+        exact = w_scale @ xv + w_min @ xv
+        mag = np.abs(w_scale) @ np.abs(xv) + np.abs(w_min) @ np.abs(xv)
+    return exact, (n_terms + 16) * 2.0**-24 * mag + 1e-30
+
+
+def matvec_terms(t, n_cols):
+    """Float additions in the kernel's chain per row: 2 per x block, or one per column."""
+    return n_cols if t in DENSE else 2 * n_cols // (256 if t in K_QUANTS else 32)
 
 
 def check_matvec(t, raw, x):
     out = np.full(raw.shape[0], np.nan, np.float32)
     cpu.matvec(t, raw, x, out)
-    w64 = reference(t, raw)
-    err = np.abs(out - w64 @ x.astype(np.float64))
-    bound = tolerance(t, w64, x)
+    w_scale, w_min = split_weights(t, raw)
+    exact, bound = ggml_product(t, w_scale, w_min, x, matvec_terms(t, x.size))
+    err = np.abs(out - exact)
     assert np.all(err <= bound), f"{t.name}: worst err/bound {np.max(err / bound):.3f}"
     return out
+
+
+def test_activation_quantizers_match_ggml_bit_exactly():
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-6, 3, 4096)).astype(np.float32)
+    x[:256] = 0.0  # a zero block of both formats
+    x[256:288] = np.arange(-16, 16, dtype=np.float32) + np.float32(0.5)  # ties: amax 15.5
+    x[288:320] = np.float32(127.0) * np.linspace(-1, 1, 32, dtype=np.float32)
+    x[288:320][::3] += np.float32(0.5)  # amax 127: scale 1, exact halves round to even
+    x[512:544] *= np.float32(1e-9)  # fp16 scale underflows to subnormal / zero
+    x[1024:1280] = -np.abs(x[1024:1280])  # q8_k max negative
+    for fmt, ref in (("q8_32", ref_q8_32), ("q8_k", ref_q8_k)):
+        got = cpu.quantize(fmt, x).parts
+        for name, a, b in zip(("q", "d", "sums", "s"), got, ref(x)):
+            assert np.array_equal(a.view(np.uint8), np.asarray(b, a.dtype).view(np.uint8)), (fmt, name)
+    wide = np.concatenate([x, np.float32([65504, 65519.99, 65520, 1e9, -7e-8, 3e-8, 2.98e-8,
+                                          np.inf, -np.inf, 1e-45])])
+    for fmt, ref in (("f16", f16_round), ("bf16", bf16_round)):
+        got = cpu.quantize(fmt, wide).parts[0]
+        assert np.array_equal(got.view(np.uint32), ref(wide).view(np.uint32)), fmt
+    rows = x.reshape(4, 1024)
+    for fmt in ("q8_32", "q8_k", "f16", "bf16"):  # what matmul multiplies: the same values
+        back = cpu.requantize(fmt, rows)
+        for i in range(4):
+            xv, _ = activation({"q8_32": GGMLType.Q8_0, "q8_k": GGMLType.Q4_K,
+                                "f16": GGMLType.F16, "bf16": GGMLType.BF16}[fmt], rows[i])
+            assert np.array_equal(back[i], xv.astype(np.float32)), fmt
 
 
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
@@ -70,7 +130,7 @@ def test_dequantize_bit_exact(t):
 
 
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
-def test_matvec_matches_float64_reference(t):
+def test_matvec_matches_ggml_product(t):
     rng = np.random.default_rng(1)
     for n_rows in (1, 7, 33):
         for n_cols in widths(t):
@@ -93,32 +153,54 @@ def test_matvec_is_deterministic_and_reads_read_only_weights(t):
 
 
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
-def test_matmul_matches_float64_reference(t):
+def test_matmul_matches_ggml_product(t):
     rng = np.random.default_rng(5)
     n_cols = 1536
     raw = random_rows(t, 33, n_cols, seed=6)
-    w64 = reference(t, raw)
+    w_scale, w_min = split_weights(t, raw)
     for n_tok in (1, 5, 64):
         x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
         out = np.full((n_tok, 33), np.nan, np.float32)
         cpu.matmul(t, raw, x, out)
         for i in range(n_tok):
-            # n_tok > 1 dequantizes exactly and multiplies in float32: the float bound applies
-            bound = tolerance(GGMLType.F32 if n_tok > 1 else t, w64, x[i])
-            err = np.abs(out[i] - w64 @ x[i].astype(np.float64))
-            assert np.all(err <= bound), f"{t.name} n_tok={n_tok} row {i}"
+            # n_tok > 1: x converted as for matvec, back to float32, one BLAS sum per output
+            n_terms = matvec_terms(t, n_cols) if n_tok == 1 else n_cols
+            exact, bound = ggml_product(t, w_scale, w_min, x[i], n_terms)
+            err = np.abs(out[i] - exact)
+            assert np.all(err <= bound), f"{t.name} n_tok={n_tok} row {i}: {np.max(err / bound):.2f}"
 
 
-def test_matmul_spans_several_tiles():
+def test_matmul_spans_several_tiles(monkeypatch):
+    monkeypatch.setattr(cpu, "_TILE_WEIGHTS", 256 * 2048)
     t = GGMLType.Q4_0
     raw = random_rows(t, 700, 2048, seed=7)  # 700 rows = 2 full tiles of 256 and a partial one
     x = np.random.default_rng(8).standard_normal((3, 2048)).astype(np.float32)
     out = np.empty((3, 700), np.float32)
     cpu.matmul(t, raw, x, out)
-    w64 = reference(t, raw)
+    w_scale, w_min = split_weights(t, raw)
     for i in range(3):
-        assert np.all(np.abs(out[i] - w64 @ x[i].astype(np.float64))
-                      <= tolerance(GGMLType.F32, w64, x[i]))
+        exact, bound = ggml_product(t, w_scale, w_min, x[i], 2048)
+        assert np.all(np.abs(out[i] - exact) <= bound)
+
+
+def test_bound_matrices_shared_activations_and_one_shot_calls_agree():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(1536).astype(np.float32)
+    types = [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16, GGMLType.F32]
+    raws = [random_rows(t, 40 + k, 1536, seed=k) for k, t in enumerate(types)]
+    mats = [cpu.bind(t, raw) for t, raw in zip(types, raws)]
+    assert [m.act_format for m in mats] == ["q8_32", "q8_32", "q8_k", "q8_k", "f16", "f32"]
+    outs = [np.empty(m.n_rows, np.float32) for m in mats]
+    cpu.matvec_many(mats, x, outs)
+    for t, raw, m, many in zip(types, raws, mats, outs):
+        one_shot, bound, shared = (np.empty(m.n_rows, np.float32) for _ in range(3))
+        cpu.matvec(t, raw, x, one_shot)
+        m.matvec(x, bound)
+        m.matvec_act(cpu.quantize(m.act_format, x), shared)
+        for got in (bound, shared, many):
+            assert np.array_equal(got.view(np.uint32), one_shot.view(np.uint32)), t.name
+    with pytest.raises(InvalidArgumentError, match="q8_k"):
+        mats[2].matvec_act(cpu.quantize("q8_32", x), outs[2])
 
 
 # --- real tensors -------------------------------------------------------------------------
@@ -153,6 +235,10 @@ def test_real_tensors(model, types):
         assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), f"{model} {info.name}"
         x = rng.standard_normal(info.n_cols).astype(np.float32)
         check_matvec(t, raw, x)
+        bound = cpu.bind(t, raw)  # the per-weight form the backend keeps
+        out = np.empty(raw.shape[0], np.float32)
+        bound.matvec(x, out)
+        assert bound.n_cols == info.n_cols and np.all(np.isfinite(out))
 
 
 # --- contract details ------------------------------------------------------------------------

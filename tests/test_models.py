@@ -62,8 +62,8 @@ def test_cpu_backend_matches_reference(synthetic, arch, qtype):
     ref = runtime(path, {"cpu": ReferenceBackend()}).logits(TOKENS)
     assert fast.shape == (len(TOKENS), SHAPE["n_vocab"])
     # the fast kernels quantize activations to 8 bits like llama.cpp; the reference does not, so
-    # they agree on the distribution, not to the last bit
-    assert kl(ref, fast).max() < 2e-3
+    # they agree on the distribution (within the 0.01-nat bound held against llama.cpp), not bits
+    assert kl(ref, fast).max() < 1e-2
     assert (fast.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
     assert np.abs(fast - ref).max() < 0.05 * np.abs(ref).max()
 
@@ -75,10 +75,12 @@ def test_prefill_equals_decode(synthetic, arch):
     batched = rt.logits(TOKENS)  # batches of 8, every position
     rt.reset()
     stepwise = np.stack([rt.eval([t]) for t in TOKENS])
-    np.testing.assert_allclose(stepwise, batched, rtol=1e-4, atol=1e-4 * np.abs(batched).max())
+    # attention probabilities are rounded to f16 (as ggml does), so a one-ulp difference in a
+    # float32 sum can move a probability by 2^-11: allow 1e-3 of the logit range
+    np.testing.assert_allclose(stepwise, batched, rtol=1e-3, atol=1e-3 * np.abs(batched).max())
     rt.reset()
     last = rt.eval(TOKENS)  # eval: batched prefill, logits after the last token
-    np.testing.assert_allclose(last, batched[-1], rtol=1e-4, atol=1e-4 * np.abs(batched).max())
+    np.testing.assert_allclose(last, batched[-1], rtol=1e-3, atol=1e-3 * np.abs(batched).max())
 
 
 def test_sliding_window_ring_cache(synthetic):

@@ -1,36 +1,59 @@
-"""Pieces every kernel family shares: bit casts, f16 -> f32, and the 8-bit activation format.
+"""Pieces every kernel family shares: bit casts, f16 <-> f32, llama.cpp's activation formats, and
+the integer dot products of one block.
+
+Activations (x of a product) are converted exactly as ggml's CPU backend converts them to the
+weight type's `vec_dot_type` before every product (x86 / AVX2 rounding), so that products match
+llama.cpp's to float32 summation order:
+- "q8_32" (Q8_0 for Q4_0 / Q5_0 / Q8_0 weights, Q8_1 for Q4_1 / Q5_1): blocks of 32,
+  d = amax / 127 stored as fp16, q = round-half-even(x * (127 / amax)); Q8_1 adds
+  s = fp16(d * sum(q)) with the unrounded d. Parts (xq int8 (n,), xd float32 (n/32,) = fp16(d),
+  xs int32 (n/32,) = sum(q), xm float32 (n/32,) = s).
+- "q8_k" (Q8_K for the K-quants): blocks of 256; max = the value of largest magnitude (first one),
+  iscale = -127 / max, q = min(127, round-half-even(iscale * x)), d = 1 / iscale in float32, sums
+  of q per 16. Parts (xq int8 (n,), xd float32 (n/256,), xs int32 (n/16,), xm unused (0,)).
+- "f16" / "bf16": x rounded to half / bfloat16 (nearest even), kept as float32. Parts (xr,).
+- "f32": x as is. Parts (x,).
 
 How the kernels are written, and why (measured on an AVX2 machine, Numba 0.68 / LLVM 20):
 - Indices are unsigned (`U`): Numba wraps negative signed indices with a per-element select,
-  which stops LLVM from seeing contiguous loads. Unsigned indices skip that.
-- Integer locals are pinned to int32 (`I32`): Numba widens int arithmetic to int64 otherwise,
-  which halves the SIMD lanes.
-- The inner loops run to a trip count passed in at run time (`lanes`, always 16). With a
-  literal 16, LLVM unrolls the inner loop fully and then vectorizes the loop over blocks with
-  scalar inserts, about 3x slower. A run-time count keeps the inner loop the vectorized one.
-- Matvec quantizes x once per product to 8-bit (blocks of 32, one float32 scale each, with
-  int32 sums per 16) and takes integer dot products per block, like llama.cpp's Q8 activations:
-  measured 1.3-2x faster than a float32 dot over the same blocks. The float accumulation over
-  blocks is kept in order (no reassociation), so results are the same bits on every call.
+  which stops LLVM from seeing contiguous loads. Integer locals are pinned to int32 (`I32`).
+- The integer dot product of a block is one intrinsic emitting LLVM vector IR: on x86 with AVX2
+  the u8 x s8 multiply-add instructions (pmaddubsw + pmaddwd, the per-16 scales folded into the
+  pmaddwd); elsewhere portable widening multiplies and a reduction, which LLVM lowers for NEON.
+- The float accumulation over blocks is kept in order (no reassociation), so results are the
+  same bits on every call.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, prange, types  # noqa: F401  (prange: re-exported to the families)
 from numba.extending import intrinsic
 
 U = np.uint64
 I32 = np.int32
 F32 = np.float32
 
-QK_X = 32  # activation block: one float32 scale per 32 int8 values
-LANES = U(16)  # inner-loop trip count, passed at run time (see module docstring)
+QK_X = 32  # "q8_32" activation block
+QK_K = 256  # "q8_k" activation block
+LANES = U(16)  # inner-loop trip count of the dequantize kernels, passed at run time
 
 JIT = dict(cache=True, nogil=True, parallel=True)
-# Every fast-math flag except reassociation: the block loop stays in order (deterministic) and is
-# not vectorized across blocks; integer inner loops vectorize without it.
+# Every fast-math flag except reassociation: the block loop stays in order (deterministic).
 FAST_IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+
+
+def _host_features() -> set[str]:
+    if numba.config.CPU_NAME not in (None, "host"):
+        return set()  # cross-compiling for a generic CPU: portable IR only
+    return {f[1:] for f in llvm_binding.get_host_cpu_features().flatten().split(",") if f[:1] == "+"}
+
+
+_FEATURES = _host_features()
+AVX2 = "avx2" in _FEATURES
+F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
 
 @intrinsic
@@ -40,6 +63,17 @@ def u32_as_f32(typingctx, bits):
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_as_u32(typingctx, value):
+    """Reinterpret the 32 bits of a float32 as a uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
 
     return sig, codegen
 
@@ -64,131 +98,327 @@ def f16_to_f32(lo, hi):
     return value
 
 
+@intrinsic
+def _load_f16_hw(typingctx, row, off):
+    """float32 of the IEEE half at byte `off` of a uint8 array (hardware conversion, exact)."""
+    sig = types.float32(row, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(16).as_pointer())
+        half = builder.bitcast(builder.load(ptr, align=1), ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return sig, codegen
+
+
+if F16C:
+    load_f16 = _load_f16_hw
+else:
+    @njit(inline="always")
+    def load_f16(row, off):
+        return f16_to_f32(row[off], row[off + U(1)])
+
+
 @njit(inline="always")
 def bf16_to_f32(lo, hi):
     """bfloat16 (two little-endian bytes) -> float32: the top 16 bits of the float32."""
     return u32_as_f32(np.uint32((U(lo) << U(16)) | (U(hi) << U(24))))
 
 
+@njit(inline="always")
+def f32_to_f16_bits(value):
+    """float32 -> IEEE half bits (round to nearest even; overflow -> inf; nan stays nan)."""
+    bits = U(f32_as_u32(value))
+    sign = (bits >> U(16)) & U(0x8000)
+    a = bits & U(0x7FFFFFFF)
+    if a >= U(0x7F800000):  # inf / nan
+        h = U(0x7C00) | (U(0x200) * U(a > U(0x7F800000)))
+    elif a >= U(0x38800000):  # a normal half (or overflow): round the mantissa, carry ripples up
+        a = a - U(112 << 23)
+        h = min((a + U(0xFFF) + ((a >> U(13)) & U(1))) >> U(13), U(0x7C00))
+    else:  # subnormal half or zero: scale by 2^24 (exact) and round half to even
+        h = U(np.rint(u32_as_f32(np.uint32(a)) * F32(16777216.0)))
+    return sign | h
+
+
+@njit(inline="always")
+def round_f16(value):
+    """float32 rounded to the nearest half (ties to even), as float32."""
+    h = f32_to_f16_bits(value)
+    return f16_to_f32(h & U(0xFF), h >> U(8))
+
+
+@njit(inline="always")
+def round_bf16(value):
+    """float32 rounded to the nearest bfloat16 (ties to even; nan stays nan), as float32."""
+    u = U(f32_as_u32(value))
+    if (u & U(0x7FFFFFFF)) > U(0x7F800000):
+        return u32_as_f32(np.uint32(((u >> U(16)) | U(64)) << U(16)))
+    return u32_as_f32(np.uint32(((u + U(0x7FFF) + ((u >> U(16)) & U(1))) >> U(16)) << U(16)))
+
+
+# --- activation quantizers (one vector; rows of a matrix go through the *_rows kernels) -------
+@njit(inline="always")
+def _q8_32_block(x, o, xq, xd, xs, xm, b):
+    amax = F32(0.0)
+    for j in range(U(QK_X)):
+        amax = max(amax, abs(x[o + j]))
+    d = amax / F32(127.0)
+    inv = F32(127.0) / amax if amax != F32(0.0) else F32(0.0)
+    s = I32(0)
+    for j in range(U(QK_X)):
+        q = I32(np.rint(x[o + j] * inv))
+        xq[o + j] = q
+        s += q
+    xd[b] = round_f16(d)
+    xs[b] = s
+    xm[b] = round_f16(d * F32(s))
+
+
+@njit(inline="always")
+def _q8_k_block(x, o, xq, xd, xs, b):
+    amax = F32(0.0)
+    vmax = F32(0.0)
+    for j in range(U(QK_K)):
+        ax = abs(x[o + j])
+        if ax > amax:
+            amax = ax
+            vmax = x[o + j]
+    if amax == F32(0.0):
+        for j in range(U(QK_K)):
+            xq[o + j] = 0
+        for g in range(U(16)):
+            xs[b * U(16) + g] = 0
+        xd[b] = F32(0.0)
+        return
+    iscale = F32(-127.0) / vmax
+    for g in range(U(16)):
+        s = I32(0)
+        for j in range(o + U(16) * g, o + U(16) * g + U(16)):
+            q = min(I32(np.rint(iscale * x[j])), I32(127))
+            xq[j] = q
+            s += q
+        xs[b * U(16) + g] = s
+    xd[b] = F32(1.0) / iscale
+
+
 @njit(cache=True, nogil=True)
-def quantize_x(x, xq, xd, xs):
-    """x float32 (n,) -> xq int8 (n,), xd float32 (n/32,) scales, xs int32 (n/16,) sums of xq.
-
-    x ~= xd[i // 32] * xq[i]; |x - xd*xq| <= xd/2 = amax/254 per block (round to nearest).
-    """
+def quantize_q8_32(x, xq, xd, xs, xm):
+    """x float32 (n,) -> the "q8_32" parts (see the module docstring)."""
     for b in range(U(x.size // QK_X)):
-        o = b * U(QK_X)
-        amax = F32(0.0)
-        for j in range(U(QK_X)):
-            amax = max(amax, abs(x[o + j]))
-        d = amax / F32(127.0)
-        inv = F32(1.0) / d if d > F32(0.0) else F32(0.0)
-        for half in range(U(2)):
-            s = I32(0)
-            for j in range(U(16)):
-                q = I32(np.rint(x[o + half * U(16) + j] * inv))
-                xq[o + half * U(16) + j] = q
-                s += q
-            xs[b * U(2) + half] = s
-        xd[b] = d
+        _q8_32_block(x, b * U(QK_X), xq, xd, xs, xm, b)
 
 
-def quantized_x(x):
-    """Scratch for one product: x (n,) float32 -> (xq, xd, xs), see quantize_x."""
-    n = x.shape[0]
-    xq = np.empty(n, np.int8)
-    xd = np.empty(n // QK_X, np.float32)
-    xs = np.empty(n // 16, np.int32)
-    quantize_x(x, xq, xd, xs)
-    return xq, xd, xs
+@njit(cache=True, nogil=True)
+def quantize_q8_k(x, xq, xd, xs, xm):
+    """x float32 (n,) -> the "q8_k" parts (see the module docstring); xm is unused."""
+    for b in range(U(x.size // QK_K)):
+        _q8_k_block(x, b * U(QK_K), xq, xd, xs, b)
 
 
+@njit(cache=True, nogil=True)
+def quantize_f16(x, out):
+    for j in range(U(x.size)):
+        out[j] = round_f16(x[j])
 
 
-class QuantizedOps:
-    """A family's entry points for the types in `kernels` (GGMLType -> (dequantize, matvec))."""
-
-    def __init__(self, kernels):
-        self.kernels = kernels
-
-    def dequantize(self, ggml_type, raw, out):
-        self.kernels[ggml_type][0](raw, out, LANES)
-
-    def matvec(self, ggml_type, raw, x, out):
-        xq, xd, xs = quantized_x(x)
-        self.kernels[ggml_type][1](raw, xq, xd, xs, out, LANES)
+@njit(cache=True, nogil=True)
+def quantize_bf16(x, out):
+    for j in range(U(x.size)):
+        out[j] = round_bf16(x[j])
 
 
-# --- 16-lane integer dot products, written as portable LLVM vector IR ---------------------------
-# LLVM does not vectorize a 16-iteration Numba loop well (it picks a 32-wide body and falls back to
-# 4-wide remainder code); these emit the vector operations directly and LLVM lowers the widened
-# multiply + reduce to pmaddwd-style code on x86 and to the NEON equivalents on ARM.
-_V16 = 16
+# x (n_tok, n) -> out (n_tok, n): each row quantized as above and dequantized back to float32
+# (exact for the fp16-scaled formats; q8_k rounds d * q once), the input of the BLAS products.
+# One thread: the work is tiny, and a parallel region right after a BLAS call waits for
+# OpenBLAS's still-spinning threads (measured 0.05 ms alone, 1.9 ms after a BLAS product).
+SERIAL = dict(cache=True, nogil=True)
+
+
+@njit(**SERIAL)
+def requantize_rows_q8_32(x, out):
+    for r in range(x.shape[0]):
+        row, dst = x[r], out[r]
+        for o in range(U(0), U(x.shape[1]), U(QK_X)):
+            amax = F32(0.0)
+            for j in range(o, o + U(QK_X)):
+                amax = max(amax, abs(row[j]))
+            d = round_f16(amax / F32(127.0))
+            inv = F32(127.0) / amax if amax != F32(0.0) else F32(0.0)
+            for j in range(o, o + U(QK_X)):
+                dst[j] = d * np.rint(row[j] * inv)
+
+
+@njit(**SERIAL)
+def requantize_rows_q8_k(x, out):
+    for r in range(x.shape[0]):
+        row, dst = x[r], out[r]
+        for o in range(U(0), U(x.shape[1]), U(QK_K)):
+            amax = F32(0.0)
+            vmax = F32(0.0)
+            for j in range(o, o + U(QK_K)):
+                if abs(row[j]) > amax:
+                    amax = abs(row[j])
+                    vmax = row[j]
+            iscale = F32(-127.0) / vmax if amax != F32(0.0) else F32(0.0)
+            d = F32(1.0) / iscale if amax != F32(0.0) else F32(0.0)
+            for j in range(o, o + U(QK_K)):
+                dst[j] = d * min(np.rint(iscale * row[j]), F32(127.0))
+
+
+@njit(**SERIAL)
+def requantize_rows_f16(x, out):
+    for r in range(x.shape[0]):
+        row, dst = x[r], out[r]
+        for j in range(U(x.shape[1])):
+            dst[j] = round_f16(row[j])
+
+
+@njit(**SERIAL)
+def requantize_rows_bf16(x, out):
+    for r in range(x.shape[0]):
+        row, dst = x[r], out[r]
+        for j in range(U(x.shape[1])):
+            dst[j] = round_bf16(row[j])
+
+
+# --- integer dot products of one block, as LLVM vector IR ----------------------------------------
+def _i8(n):
+    return ir.VectorType(ir.IntType(8), n)
+
+
+def _i16(n):
+    return ir.VectorType(ir.IntType(16), n)
+
+
+def _i32(n):
+    return ir.VectorType(ir.IntType(32), n)
+
+
+def _fn(builder, name, ret, params):
+    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, params), name)
 
 
 def _splat(builder, value, vec_type):
     vec = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(vec, ir.Constant(vec_type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), _V16), [0] * _V16))
+                                  ir.Constant(_i32(vec_type.count), [0] * vec_type.count))
 
 
-def _load16(context, builder, arytype, ary, offset):
-    """<16 x i8> loaded from ary.data + offset (no alignment assumed)."""
+def _load(context, builder, arytype, ary, offset, n):
+    """<n x i8> loaded from ary.data + offset (no alignment assumed)."""
     data = context.make_array(arytype)(context, builder, ary).data
     ptr = builder.gep(data, [offset])
-    vec_type = ir.VectorType(ir.IntType(8), _V16)
-    return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=1)
+    return builder.load(builder.bitcast(ptr, _i8(n).as_pointer()), align=1)
 
 
-def _reduce_add(builder, vec):
-    name = f"llvm.vector.reduce.add.v{_V16}i32"
-    fn = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(ir.IntType(32), [vec.type]), name)
-    return builder.call(fn, [vec])
+def _field(builder, vec, shift, mask):
+    """(vec >> shift) & mask on <n x i8> (shift, mask int32 scalars)."""
+    n = vec.type.count
+    shift8 = _splat(builder, builder.trunc(shift, ir.IntType(8)), _i8(n))
+    mask8 = _splat(builder, builder.trunc(mask, ir.IntType(8)), _i8(n))
+    return builder.and_(builder.lshr(vec, shift8), mask8)
+
+
+def _scaled_sum(builder, u8, s8, sc0, sc1):
+    """int32: sc0 * sum_{j<16} u8[j] * s8[j] + sc1 * sum_{16<=j<32} ...; u8 (<32 x i8>) in
+    0..127 unsigned, s8 signed, |sc| <= 128 (pair sums of products fit int16)."""
+    if AVX2:
+        pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
+        scales = builder.shuffle_vector(
+            _splat(builder, builder.trunc(sc0, ir.IntType(16)), _i16(16)),
+            _splat(builder, builder.trunc(sc1, ir.IntType(16)), _i16(16)),
+            ir.Constant(_i32(16), list(range(8)) + list(range(24, 32))))
+        quads = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [pairs, scales])
+    else:
+        prod = builder.mul(builder.zext(u8, _i32(32)), builder.sext(s8, _i32(32)))
+        scales = builder.shuffle_vector(_splat(builder, sc0, _i32(32)), _splat(builder, sc1, _i32(32)),
+                                        ir.Constant(_i32(32), list(range(16)) + list(range(48, 64))))
+        quads = builder.mul(prod, scales)
+    n = quads.type.count
+    return builder.call(_fn(builder, f"llvm.vector.reduce.add.v{n}i32", ir.IntType(32), [quads.type]), [quads])
+
+
+def _abs_sign(builder, w, x):
+    """(|w| as u8, x * sign(w) as s8): the u8 x s8 form of an s8 x s8 product."""
+    if AVX2:
+        sign = _fn(builder, "llvm.x86.avx2.psign.b", _i8(32), [_i8(32), _i8(32)])
+        return builder.call(sign, [w, w]), builder.call(sign, [x, w])
+    zero = ir.Constant(_i8(32), [0] * 32)
+    neg = builder.icmp_signed("<", w, zero)
+    pos = builder.icmp_signed(">", w, zero)
+    absw = builder.select(neg, builder.sub(zero, w), w)
+    sx = builder.select(neg, builder.sub(zero, x), builder.select(pos, x, zero))
+    return absw, sx
+
+
+_ONE = ir.Constant(ir.IntType(32), 1)
 
 
 @intrinsic
-def dot16_field(typingctx, w, w_off, shift, mask, x, x_off):
-    """int32 sum over j < 16 of ((w[w_off + j] >> shift) & mask) * x[x_off + j]; w uint8, x int8.
-
-    The field must fit in 8 bits (mask <= 255), so every product fits in 16 bits.
-    """
-    sig = types.int32(w, types.uint64, types.int32, types.int32, x, types.uint64)
+def dot32_field(typingctx, w, w_off, shift, mask, x, x_off, sc0, sc1):
+    """int32 sum_{j<32} sc(j) * ((w[w_off + j] >> shift) & mask) * x[x_off + j], sc(j) = sc0 for
+    j < 16 else sc1; w uint8, x int8, mask <= 127."""
+    sig = types.int32(w, types.uint64, types.int32, types.int32, x, types.uint64, types.int32, types.int32)
 
     def codegen(context, builder, signature, args):
-        v32 = ir.VectorType(ir.IntType(32), _V16)
-        wv = builder.zext(_load16(context, builder, signature.args[0], args[0], args[1]), v32)
-        field = builder.and_(builder.lshr(wv, _splat(builder, args[2], v32)), _splat(builder, args[3], v32))
-        xv = builder.sext(_load16(context, builder, signature.args[4], args[4], args[5]), v32)
-        return _reduce_add(builder, builder.mul(field, xv))
+        wv = _field(builder, _load(context, builder, signature.args[0], args[0], args[1], 32), args[2], args[3])
+        xv = _load(context, builder, signature.args[4], args[4], args[5], 32)
+        return _scaled_sum(builder, wv, xv, args[6], args[7])
 
     return sig, codegen
 
 
 @intrinsic
-def dot16_i8(typingctx, w, w_off, x, x_off):
-    """int32 sum over j < 16 of int8(w[w_off + j]) * x[x_off + j]; w uint8 read as int8, x int8."""
+def dot32_q4(typingctx, w, w_off, x, x_off):
+    """int32 sum_{j<16} (w[w_off + j] & 15) * x[x_off + j] + (w[w_off + j] >> 4) * x[x_off + 16 + j]:
+    the 16 nibble bytes of a Q4_0 / Q4_1 block against 32 int8 values."""
     sig = types.int32(w, types.uint64, x, types.uint64)
 
     def codegen(context, builder, signature, args):
-        v32 = ir.VectorType(ir.IntType(32), _V16)
-        wv = builder.sext(_load16(context, builder, signature.args[0], args[0], args[1]), v32)
-        xv = builder.sext(_load16(context, builder, signature.args[2], args[2], args[3]), v32)
-        return _reduce_add(builder, builder.mul(wv, xv))
+        raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
+        nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
+                                     ir.Constant(_i32(32), list(range(32))))
+        wv = builder.and_(nib, ir.Constant(_i8(32), [15] * 32))
+        xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
+        return _scaled_sum(builder, wv, xv, _ONE, _ONE)
 
     return sig, codegen
 
 
 @intrinsic
-def dot16_bits(typingctx, bits, x, x_off):
-    """int32 sum over j < 16 of ((bits >> j) & 1) * x[x_off + j]; bits a 16-bit mask, x int8."""
-    sig = types.int32(types.int32, x, types.uint64)
+def dot32_q5(typingctx, w, w_off, qh, x, x_off):
+    """As dot32_q4 with bit j of qh (uint32) as the 5th bit of weight j (0 <= j < 32)."""
+    sig = types.int32(w, types.uint64, types.uint32, x, types.uint64)
 
     def codegen(context, builder, signature, args):
-        v32 = ir.VectorType(ir.IntType(32), _V16)
-        lanes = ir.Constant(v32, list(range(_V16)))
-        field = builder.and_(builder.lshr(_splat(builder, args[0], v32), lanes), ir.Constant(v32, [1] * _V16))
-        xv = builder.sext(_load16(context, builder, signature.args[1], args[1], args[2]), v32)
-        return _reduce_add(builder, builder.mul(field, xv))
+        raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
+        nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
+                                     ir.Constant(_i32(32), list(range(32))))
+        # byte j // 8 of qh into lane j, tested against bit j % 8: 16 where set (shuffle + compare)
+        qh_bytes = builder.bitcast(args[2], _i8(4))
+        spread = builder.shuffle_vector(qh_bytes, ir.Constant(_i8(4), ir.Undefined),
+                                        ir.Constant(_i32(32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, ir.Constant(_i8(32), [1 << (j % 8) for j in range(32)]))
+        high = builder.select(builder.icmp_unsigned("!=", bit, ir.Constant(_i8(32), [0] * 32)),
+                              ir.Constant(_i8(32), [16] * 32), ir.Constant(_i8(32), [0] * 32))
+        wv = builder.or_(builder.and_(nib, ir.Constant(_i8(32), [15] * 32)), high)
+        xv = _load(context, builder, signature.args[3], args[3], args[4], 32)
+        return _scaled_sum(builder, wv, xv, _ONE, _ONE)
+
+    return sig, codegen
+
+
+@intrinsic
+def dot32_i8(typingctx, w, w_off, x, x_off):
+    """int32 sum_{j<32} int8(w[w_off + j]) * x[x_off + j]; w uint8 read as int8, x int8."""
+    sig = types.int32(w, types.uint64, x, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        wv = _load(context, builder, signature.args[0], args[0], args[1], 32)
+        xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
+        absw, sx = _abs_sign(builder, wv, xv)
+        return _scaled_sum(builder, absw, sx, _ONE, _ONE)
 
     return sig, codegen

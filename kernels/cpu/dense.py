@@ -1,18 +1,19 @@
-"""Float weight types: F32 (BLAS through NumPy), F16 and BF16 (Numba, converted on the fly).
+"""Float weight types F16 and BF16 (Numba, converted on the fly); F32 goes to NumPy (BLAS).
 
-raw uint8 (n_rows, n_cols * 4 | 2); products are float32 dot products over whole rows.
+raw uint8 (n_rows, n_cols * 2); `matvec_<t>(raw, xr, out)` takes x already rounded to the
+weight's type (llama.cpp converts x to F16 / BF16 before the product: common.quantize_f16 /
+quantize_bf16) and sums float32 products over whole rows.
 F16 -> F32 is exact (common.f16_to_f32), BF16 -> F32 is a shift: dequantize is bit-exact.
 """
 from __future__ import annotations
 
-import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.common import F32, JIT, U, bf16_to_f32, f16_to_f32, njit, prange
+from edgellm.kernels.cpu.common import F32, JIT, U, bf16_to_f32, f16_to_f32, load_f16, njit, prange
 
 
 @njit(**JIT)
-def dequantize_f16(raw, out):
+def dequantize_f16(raw, out, lanes):  # lanes: unused, the signature all families share
     for r in prange(raw.shape[0]):
         row, dst = raw[r], out[r]
         for j in range(U(out.shape[1])):
@@ -20,7 +21,7 @@ def dequantize_f16(raw, out):
 
 
 @njit(**JIT)
-def dequantize_bf16(raw, out):
+def dequantize_bf16(raw, out, lanes):
     for r in prange(raw.shape[0]):
         row, dst = raw[r], out[r]
         for j in range(U(out.shape[1])):
@@ -35,7 +36,7 @@ def matvec_f16(raw, x, out):
         row = raw[r]
         acc = F32(0.0)
         for j in range(U(x.size)):
-            acc += f16_to_f32(row[j + j], row[j + j + U(1)]) * x[j]
+            acc += load_f16(row, j + j) * x[j]
         out[r] = acc
 
 
@@ -49,25 +50,7 @@ def matvec_bf16(raw, x, out):
         out[r] = acc
 
 
-class DenseOps:
-    """F32 goes to NumPy (BLAS); F16 / BF16 to the kernels above."""
-
-    kernels = {
-        GGMLType.F16: (dequantize_f16, matvec_f16),
-        GGMLType.BF16: (dequantize_bf16, matvec_bf16),
-    }
-
-    def dequantize(self, ggml_type, raw, out):
-        if ggml_type == GGMLType.F32:
-            np.copyto(out, raw.view(np.float32))
-        else:
-            self.kernels[ggml_type][0](raw, out)
-
-    def matvec(self, ggml_type, raw, x, out):
-        if ggml_type == GGMLType.F32:
-            np.matmul(raw.view(np.float32), x, out=out)
-        else:
-            self.kernels[ggml_type][1](raw, x, out)
-
-
-OPS = DenseOps()
+KERNELS = {
+    GGMLType.F16: (dequantize_f16, matvec_f16),
+    GGMLType.BF16: (dequantize_bf16, matvec_bf16),
+}

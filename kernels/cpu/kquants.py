@@ -1,10 +1,11 @@
 """K-quants (256 weights per super-block): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 
 Same entry points as legacy.py: `dequantize_<t>(raw, out, lanes)` and
-`matvec_<t>(raw, xq, xd, xs, out, lanes)` with x in 8-bit blocks of 32 (common.quantize_x).
+`matvec_<t>(raw, xq, xd, xs, xm, out)` with x in llama.cpp's Q8_K form ("q8_k" parts,
+common.quantize_q8_k: int8 values, one float32 scale per 256, sums per 16).
 A super-block splits into groups of 16 weights (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K), each
-with an integer scale (and min); matvec takes an integer dot product per group, combines the
-two halves of an x block in integers, then multiplies once by the float scales.
+with an integer scale (and min); matvec sums scale * dot product over a whole super-block in
+integers, then multiplies once by the float scales.
 Dequantize follows gguf.quants operation for operation (no fast-math): bit-exact.
 
 Where weight w (0..255) of a super-block lives, per type (c, s, t, h, l as named below):
@@ -24,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, QuantizedOps,
-                                        dot16_field, f16_to_f32, njit, prange)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
+                                        load_f16, njit, prange)
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -150,148 +151,133 @@ def dequantize_q6_k(raw, out, lanes):
 
 
 # --- matvec --------------------------------------------------------------------------------
-# Groups g (16 weights) pair up as x block k = 8i + g // 2 (32 values, scale xd[k]).
+# x comes as "q8_k" parts (common.quantize_q8_k): per super-block i one integer sum of
+# scale * dot(q, xq) (groups of 16 or 32), and for the types with mins one integer sum of
+# min * (sums of xq), then llama.cpp's float terms d_w * xd[i] * isum and dmin_w * xd[i] * msum
+# (the min terms summed separately and subtracted at the end).
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q2_k(raw, xq, xd, xs, out, lanes):
+def matvec_q2_k(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for i in range(U(xq.size // QK_K)):
-            o, w0 = i * U(Q2_K_BYTES), i * U(QK_K)
-            d = f16_to_f32(row[o + U(80)], row[o + U(81)])
-            dmin = f16_to_f32(row[o + U(82)], row[o + U(83)])
-            for k in range(U(8)):
-                isum = I32(0)  # sum over the 2 groups of sc * dot(q, xq)
-                msum = I32(0)  # sum over the 2 groups of min * sum(xq)
-                for g in range(k + k, k + k + U(2)):
-                    c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
-                    q0 = o + U(16) + U(32) * c + l0
-                    x0 = w0 + U(16) * g
-                    shift = I32(2 * s)
-                    dot = dot16_field(row, q0, shift, I32(3), xq, x0)
-                    sc = I32(row[o + g])
-                    isum += (sc & I32(15)) * dot
-                    msum += (sc >> I32(4)) * xs[(w0 >> U(4)) + g]
-                acc += xd[i * U(8) + k] * (d * F32(isum) - dmin * F32(msum))
+        acc_m = F32(0.0)
+        for i in range(U(xd.size)):
+            o, x0, g0 = i * U(Q2_K_BYTES), i * U(QK_K), i * U(16)
+            isum = I32(0)
+            msum = I32(0)
+            for g in range(U(16)):
+                msum += (I32(row[o + g]) >> I32(4)) * xs[g0 + g]
+            for c in range(U(2)):
+                for s in range(U(4)):
+                    g = U(8) * c + U(2) * s
+                    isum += dot32_field(row, o + U(16) + U(32) * c, I32(2 * s), I32(3), xq,
+                                        x0 + U(128) * c + U(32) * s,
+                                        I32(row[o + g]) & I32(15), I32(row[o + g + U(1)]) & I32(15))
+            acc += (load_f16(row, o + U(80)) * xd[i]) * F32(isum)
+            acc_m += (load_f16(row, o + U(82)) * xd[i]) * F32(msum)
+        out[r] = acc - acc_m
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q3_k(raw, xq, xd, xs, xm, out):
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = F32(0.0)
+        for i in range(U(xd.size)):
+            o, x0, g0 = i * U(Q3_K_BYTES), i * U(QK_K), i * U(16)
+            isum = I32(0)
+            for c in range(U(2)):
+                for s in range(U(4)):
+                    g = U(8) * c + U(2) * s
+                    sc0 = _q3_scale(row, o + U(96), g)
+                    sc1 = _q3_scale(row, o + U(96), g + U(1))
+                    xo = x0 + U(128) * c + U(32) * s
+                    # q = low + 4 * high - 4
+                    isum += dot32_field(row, o + U(32) + U(32) * c, I32(2 * s), I32(3), xq, xo, sc0, sc1) \
+                        + I32(4) * dot32_field(row, o, I32(4 * c + s), I32(1), xq, xo, sc0, sc1) \
+                        - I32(4) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
+            acc += (load_f16(row, o + U(108)) * xd[i]) * F32(isum)
         out[r] = acc
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q3_k(raw, xq, xd, xs, out, lanes):
+def matvec_q4_k(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for i in range(U(xq.size // QK_K)):
-            o, w0 = i * U(Q3_K_BYTES), i * U(QK_K)
-            d = f16_to_f32(row[o + U(108)], row[o + U(109)])
-            for k in range(U(8)):
-                isum = I32(0)
-                for g in range(k + k, k + k + U(2)):
-                    c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
-                    q0 = o + U(32) + U(32) * c + l0
-                    x0 = w0 + U(16) * g
-                    shift = I32(2 * s)
-                    bit = I32(4 * c + s)
-                    # q = low - 4 + 4 * high
-                    dot = dot16_field(row, q0, shift, I32(3), xq, x0) \
-                        + I32(4) * dot16_field(row, o + l0, bit, I32(1), xq, x0) \
-                        - I32(4) * xs[(w0 >> U(4)) + g]
-                    isum += _q3_scale(row, o + U(96), g) * dot
-                acc += d * xd[i * U(8) + k] * F32(isum)
-        out[r] = acc
-
-
-@njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q4_k(raw, xq, xd, xs, out, lanes):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for i in range(U(xq.size // QK_K)):
-            o, w0 = i * U(Q4_K_BYTES), i * U(QK_K)
-            d = f16_to_f32(row[o], row[o + U(1)])
-            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+        acc_m = F32(0.0)
+        for i in range(U(xd.size)):
+            o, x0, g0 = i * U(Q4_K_BYTES), i * U(QK_K), i * U(16)
+            isum = I32(0)
+            msum = I32(0)
             for c in range(U(4)):  # 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
                 q0 = o + U(16) + U(32) * c
-                x0 = w0 + U(64) * c
-                dot_lo = dot16_field(row, q0, I32(0), I32(15), xq, x0) \
-                    + dot16_field(row, q0 + U(16), I32(0), I32(15), xq, x0 + U(16))
-                dot_hi = dot16_field(row, q0, I32(4), I32(15), xq, x0 + U(32)) \
-                    + dot16_field(row, q0 + U(16), I32(4), I32(15), xq, x0 + U(48))
                 sc0, m0 = _scale_min(row, o + U(4), c + c)
                 sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
-                k0 = (w0 >> U(5)) + c + c
-                s0 = xs[k0 + k0] + xs[k0 + k0 + U(1)]
-                s1 = xs[k0 + k0 + U(2)] + xs[k0 + k0 + U(3)]
-                acc += xd[k0] * (d * F32(sc0 * dot_lo) - dmin * F32(m0 * s0))
-                acc += xd[k0 + U(1)] * (d * F32(sc1 * dot_hi) - dmin * F32(m1 * s1))
-        out[r] = acc
+                isum += dot32_field(row, q0, I32(0), I32(15), xq, x0 + U(64) * c, sc0, sc0) \
+                    + dot32_field(row, q0, I32(4), I32(15), xq, x0 + U(64) * c + U(32), sc1, sc1)
+                k = g0 + U(4) * c
+                msum += m0 * (xs[k] + xs[k + U(1)]) + m1 * (xs[k + U(2)] + xs[k + U(3)])
+            acc += (load_f16(row, o) * xd[i]) * F32(isum)
+            acc_m += (load_f16(row, o + U(2)) * xd[i]) * F32(msum)
+        out[r] = acc - acc_m
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q5_k(raw, xq, xd, xs, out, lanes):
+def matvec_q5_k(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for i in range(U(xq.size // QK_K)):
-            o, w0 = i * U(Q5_K_BYTES), i * U(QK_K)
-            d = f16_to_f32(row[o], row[o + U(1)])
-            dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
+        acc_m = F32(0.0)
+        for i in range(U(xd.size)):
+            o, x0, g0 = i * U(Q5_K_BYTES), i * U(QK_K), i * U(16)
+            isum = I32(0)
+            msum = I32(0)
             for c in range(U(4)):
                 q0 = o + U(48) + U(32) * c
-                x0 = w0 + U(64) * c
-                b_lo = I32(2 * c)
-                qh0 = o + U(16)  # 5th bits: bit 2c for sub-block 2c, bit 2c + 1 for 2c + 1
-                dot_lo = dot16_field(row, q0, I32(0), I32(15), xq, x0) \
-                    + dot16_field(row, q0 + U(16), I32(0), I32(15), xq, x0 + U(16)) \
-                    + I32(16) * (dot16_field(row, qh0, b_lo, I32(1), xq, x0)
-                                 + dot16_field(row, qh0 + U(16), b_lo, I32(1), xq, x0 + U(16)))
-                dot_hi = dot16_field(row, q0, I32(4), I32(15), xq, x0 + U(32)) \
-                    + dot16_field(row, q0 + U(16), I32(4), I32(15), xq, x0 + U(48)) \
-                    + I32(16) * (dot16_field(row, qh0, b_lo + I32(1), I32(1), xq, x0 + U(32))
-                                 + dot16_field(row, qh0 + U(16), b_lo + I32(1), I32(1), xq, x0 + U(48)))
                 sc0, m0 = _scale_min(row, o + U(4), c + c)
                 sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
-                k0 = (w0 >> U(5)) + c + c
-                s0 = xs[k0 + k0] + xs[k0 + k0 + U(1)]
-                s1 = xs[k0 + k0 + U(2)] + xs[k0 + k0 + U(3)]
-                acc += xd[k0] * (d * F32(sc0 * dot_lo) - dmin * F32(m0 * s0))
-                acc += xd[k0 + U(1)] * (d * F32(sc1 * dot_hi) - dmin * F32(m1 * s1))
-        out[r] = acc
+                xo = x0 + U(64) * c
+                # 5th bits: bit 2c of qh[l] for sub-block 2c, bit 2c + 1 for 2c + 1
+                isum += dot32_field(row, q0, I32(0), I32(15), xq, xo, sc0, sc0) \
+                    + I32(16) * dot32_field(row, o + U(16), I32(2 * c), I32(1), xq, xo, sc0, sc0) \
+                    + dot32_field(row, q0, I32(4), I32(15), xq, xo + U(32), sc1, sc1) \
+                    + I32(16) * dot32_field(row, o + U(16), I32(2 * c + 1), I32(1), xq, xo + U(32), sc1, sc1)
+                k = g0 + U(4) * c
+                msum += m0 * (xs[k] + xs[k + U(1)]) + m1 * (xs[k + U(2)] + xs[k + U(3)])
+            acc += (load_f16(row, o) * xd[i]) * F32(isum)
+            acc_m += (load_f16(row, o + U(2)) * xd[i]) * F32(msum)
+        out[r] = acc - acc_m
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q6_k(raw, xq, xd, xs, out, lanes):
+def matvec_q6_k(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for i in range(U(xq.size // QK_K)):
-            o, w0 = i * U(Q6_K_BYTES), i * U(QK_K)
-            d = f16_to_f32(row[o + U(208)], row[o + U(209)])
-            for k in range(U(8)):  # k = 4h + t: 32 weights, groups 2k and 2k + 1
-                h, t = k >> U(2), k & U(3)
-                ql0 = o + U(64) * h + U(32) * (t & U(1))
-                qh0 = o + U(128) + U(32) * h
-                x0 = w0 + U(32) * k
-                lo_shift = I32(4 * (t >> U(1)))
-                hi_shift = I32(2 * t)
-                # q = low nibble | high 2 bits << 4, summed as low + 16 * high
-                dot0 = dot16_field(row, ql0, lo_shift, I32(15), xq, x0) \
-                    + I32(16) * dot16_field(row, qh0, hi_shift, I32(3), xq, x0)
-                dot1 = dot16_field(row, ql0 + U(16), lo_shift, I32(15), xq, x0 + U(16)) \
-                    + I32(16) * dot16_field(row, qh0 + U(16), hi_shift, I32(3), xq, x0 + U(16))
-                g = k + k
-                xs0 = xs[(w0 >> U(4)) + g]
-                xs1 = xs[(w0 >> U(4)) + g + U(1)]
-                isum = I32(np.int8(row[o + U(192) + g])) * (dot0 - I32(32) * xs0) \
-                    + I32(np.int8(row[o + U(193) + g])) * (dot1 - I32(32) * xs1)
-                acc += d * xd[i * U(8) + k] * F32(isum)
+        for i in range(U(xd.size)):
+            o, x0, g0 = i * U(Q6_K_BYTES), i * U(QK_K), i * U(16)
+            isum = I32(0)
+            for h in range(U(2)):
+                for t in range(U(4)):  # 32 weights, groups g and g + 1
+                    g = U(8) * h + U(2) * t
+                    sc0 = I32(np.int8(row[o + U(192) + g]))
+                    sc1 = I32(np.int8(row[o + U(193) + g]))
+                    xo = x0 + U(128) * h + U(32) * t
+                    # q = low nibble + 16 * high 2 bits - 32
+                    isum += dot32_field(row, o + U(64) * h + U(32) * (t & U(1)), I32(4 * (t >> U(1))),
+                                        I32(15), xq, xo, sc0, sc1) \
+                        + I32(16) * dot32_field(row, o + U(128) + U(32) * h, I32(2 * t), I32(3),
+                                                xq, xo, sc0, sc1) \
+                        - I32(32) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
+            acc += (load_f16(row, o + U(208)) * xd[i]) * F32(isum)
         out[r] = acc
 
 
-OPS = QuantizedOps({
+KERNELS = {
     GGMLType.Q2_K: (dequantize_q2_k, matvec_q2_k),
     GGMLType.Q3_K: (dequantize_q3_k, matvec_q3_k),
     GGMLType.Q4_K: (dequantize_q4_k, matvec_q4_k),
     GGMLType.Q5_K: (dequantize_q5_k, matvec_q5_k),
     GGMLType.Q6_K: (dequantize_q6_k, matvec_q6_k),
-})
+}

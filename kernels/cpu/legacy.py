@@ -1,13 +1,14 @@
 """Legacy block types (32 weights per block): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
 
-Each type has `dequantize_<t>(raw, out, lanes)` and `matvec_<t>(raw, xq, xd, xs, out, lanes)`:
+Each type has `dequantize_<t>(raw, out, lanes)` and `matvec_<t>(raw, xq, xd, xs, xm, out)`:
 raw uint8 (n_rows, n_blocks * type_size), out float32 (n_rows, n_cols) or (n_rows,);
-(xq, xd, xs) is x quantized by common.quantize_x; lanes = common.LANES (16).
+(xq, xd, xs, xm) is x in the "q8_32" format (common.quantize_q8_32); lanes = common.LANES (16).
 Block j of a row starts at byte j * type_size; its weights are columns 32j .. 32j+31.
 Nibble order (Q4/Q5): byte i of qs holds weight i (low nibble) and weight i + 16 (high nibble).
 
-Matvec per block, with q the stored unsigned integer, x_i ~= xd * xq_i, S = sum(xq) over the block:
-    Q4_0: d * xd * (sum(q * xq) - 8 * S)          Q4_1: xd * (d * sum(q * xq) + m * S)
+Matvec per block b, with q the stored unsigned integer and x in llama.cpp's Q8_0 / Q8_1 form
+(xq, fp16 scale xd, S = sum(xq), Q8_1's fp16 xm = fp16(d * S)):
+    Q4_0: d * xd * (sum(q * xq) - 8 * S)          Q4_1: d * xd * sum(q * xq) + m * xm
     Q5_0: d * xd * (sum(q * xq) - 16 * S)         Q5_1: as Q4_1, q has 5 bits
     Q8_0: d * xd * sum(q * xq), q signed
 Dequantize follows gguf.quants operation for operation (no fast-math), so it is bit-exact.
@@ -17,9 +18,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, QuantizedOps,
-                                        dot16_bits, dot16_field, dot16_i8, f16_to_f32, njit,
-                                        prange)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4,
+                                        dot32_q5, f16_to_f32, load_f16, njit, prange)
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]
@@ -108,86 +108,99 @@ def dequantize_q8_0(raw, out, lanes):
 
 
 # --- matvec --------------------------------------------------------------------------------
+# x comes as "q8_32" parts (common.quantize_q8_32): per block b the integer dot product s of the
+# weights' integers with xq, then llama.cpp's float terms: d_w * xd[b] * s for Q4_0 / Q5_0 / Q8_0
+# (q - 8 and q - 16 folded in as s - 8 * xs[b]), and for Q4_1 / Q5_1 also m_w * xm[b] (the fp16
+# s of Q8_1), summed separately and added at the end.
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q4_0(raw, xq, xd, xs, out, lanes):
+def matvec_q4_0(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for b in range(U(xq.size // 32)):
-            o, w = b * U(Q4_0_BYTES), b * U(32)
-            s = dot16_field(row, o + U(2), I32(0), I32(15), xq, w) \
-                + dot16_field(row, o + U(2), I32(4), I32(15), xq, w + U(16))
-            sx = xs[b + b] + xs[b + b + U(1)]
-            acc += f16_to_f32(row[o], row[o + U(1)]) * xd[b] * F32(s - I32(8) * sx)
+        for b in range(U(xd.size)):
+            o = b * U(Q4_0_BYTES)
+            s = dot32_q4(row, o + U(2), xq, b * U(32)) - I32(8) * xs[b]
+            acc += (load_f16(row, o) * xd[b]) * F32(s)
         out[r] = acc
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q4_1(raw, xq, xd, xs, out, lanes):
+def matvec_q4_1(raw, xq, xd, xs, xm, out):
+    """In ggml's x86 float order (Q4_1 is not repacked there): per block, 8 lanes of 4-product
+    integer sums (lane k: weights 4k..4k+3) are multiply-added by d_w * d_x into 8 float32 lane
+    accumulators; m_w * s_x is summed separately; the lanes are reduced pairwise at the end.
+    Matching the order keeps the 8-bit rounding of the next layer's input on llama.cpp's side of
+    every tie, which is what keeps greedy continuations token-identical."""
+    for r in prange(raw.shape[0]):
+        row = raw[r]
+        acc = np.zeros(8, F32)
+        acc_m = F32(0.0)
+        for b in range(U(xd.size)):
+            o = b * U(Q4_1_BYTES)
+            dd = load_f16(row, o) * xd[b]
+            acc_m += load_f16(row, o + U(2)) * xm[b]
+            qo = o + U(4)
+            xo = b * U(32)
+            for k in range(4):  # low nibbles: weights 0..15
+                lane = I32(0)
+                for i in range(4):
+                    j = U(4 * k + i)
+                    lane += I32(row[qo + j] & np.uint8(15)) * I32(xq[xo + j])
+                acc[k] += dd * F32(lane)
+            for k in range(4):  # high nibbles: weights 16..31
+                lane = I32(0)
+                for i in range(4):
+                    j = U(4 * k + i)
+                    lane += I32(row[qo + j] >> np.uint8(4)) * I32(xq[xo + U(16) + j])
+                acc[k + 4] += dd * F32(lane)
+        h0 = acc[0] + acc[4]
+        h1 = acc[1] + acc[5]
+        h2 = acc[2] + acc[6]
+        h3 = acc[3] + acc[7]
+        out[r] = ((h0 + h2) + (h1 + h3)) + acc_m
+
+
+@njit(fastmath=FAST_IN_ORDER, **JIT)
+def matvec_q5_0(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for b in range(U(xq.size // 32)):
-            o, w = b * U(Q4_1_BYTES), b * U(32)
-            s = dot16_field(row, o + U(4), I32(0), I32(15), xq, w) \
-                + dot16_field(row, o + U(4), I32(4), I32(15), xq, w + U(16))
-            d = f16_to_f32(row[o], row[o + U(1)])
-            m = f16_to_f32(row[o + U(2)], row[o + U(3)])
-            acc += xd[b] * (d * F32(s) + m * F32(xs[b + b] + xs[b + b + U(1)]))
+        for b in range(U(xd.size)):
+            o = b * U(Q5_0_BYTES)
+            s = dot32_q5(row, o + U(6), np.uint32(_u32(row, o + U(2))), xq, b * U(32)) - I32(16) * xs[b]
+            acc += (load_f16(row, o) * xd[b]) * F32(s)
         out[r] = acc
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q5_0(raw, xq, xd, xs, out, lanes):
+def matvec_q5_1(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for b in range(U(xq.size // 32)):
-            o, w = b * U(Q5_0_BYTES), b * U(32)
-            qh = I32(_u32(row, o + U(2)) & U(0xFFFF))
-            qh_hi = I32(_u32(row, o + U(2)) >> U(16))
-            s = dot16_field(row, o + U(6), I32(0), I32(15), xq, w) \
-                + dot16_field(row, o + U(6), I32(4), I32(15), xq, w + U(16)) \
-                + I32(16) * (dot16_bits(qh, xq, w) + dot16_bits(qh_hi, xq, w + U(16)))
-            sx = xs[b + b] + xs[b + b + U(1)]
-            acc += f16_to_f32(row[o], row[o + U(1)]) * xd[b] * F32(s - I32(16) * sx)
-        out[r] = acc
+        acc_m = F32(0.0)
+        for b in range(U(xd.size)):
+            o = b * U(Q5_1_BYTES)
+            s = dot32_q5(row, o + U(8), np.uint32(_u32(row, o + U(4))), xq, b * U(32))
+            acc += (load_f16(row, o) * xd[b]) * F32(s)
+            acc_m += load_f16(row, o + U(2)) * xm[b]
+        out[r] = acc + acc_m
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q5_1(raw, xq, xd, xs, out, lanes):
+def matvec_q8_0(raw, xq, xd, xs, xm, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
-        for b in range(U(xq.size // 32)):
-            o, w = b * U(Q5_1_BYTES), b * U(32)
-            qh = I32(_u32(row, o + U(4)) & U(0xFFFF))
-            qh_hi = I32(_u32(row, o + U(4)) >> U(16))
-            s = dot16_field(row, o + U(8), I32(0), I32(15), xq, w) \
-                + dot16_field(row, o + U(8), I32(4), I32(15), xq, w + U(16)) \
-                + I32(16) * (dot16_bits(qh, xq, w) + dot16_bits(qh_hi, xq, w + U(16)))
-            d = f16_to_f32(row[o], row[o + U(1)])
-            m = f16_to_f32(row[o + U(2)], row[o + U(3)])
-            acc += xd[b] * (d * F32(s) + m * F32(xs[b + b] + xs[b + b + U(1)]))
+        for b in range(U(xd.size)):
+            o = b * U(Q8_0_BYTES)
+            acc += (load_f16(row, o) * xd[b]) * F32(dot32_i8(row, o + U(2), xq, b * U(32)))
         out[r] = acc
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
-def matvec_q8_0(raw, xq, xd, xs, out, lanes):
-    for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for b in range(U(xq.size // 32)):
-            o, w = b * U(Q8_0_BYTES), b * U(32)
-            s = dot16_i8(row, o + U(2), xq, w) + dot16_i8(row, o + U(18), xq, w + U(16))
-            acc += f16_to_f32(row[o], row[o + U(1)]) * xd[b] * F32(s)
-        out[r] = acc
-
-
-OPS = QuantizedOps({
+KERNELS = {
     GGMLType.Q4_0: (dequantize_q4_0, matvec_q4_0),
     GGMLType.Q4_1: (dequantize_q4_1, matvec_q4_1),
     GGMLType.Q5_0: (dequantize_q5_0, matvec_q5_0),
     GGMLType.Q5_1: (dequantize_q5_1, matvec_q5_1),
     GGMLType.Q8_0: (dequantize_q8_0, matvec_q8_0),
-})
+}

@@ -1,0 +1,289 @@
+"""Numba kernels for the non-matmul ops of a transformer block on the CPU (the quantized products
+live in the type families). Each has a NumPy twin in `edgellm.backend_cpu.NumpyBackend`, and
+tests/test_ops_cpu.py holds them together.
+
+Float16 KV cache: Numba has no float16 type, so the cache is passed as its uint16 bits and converted
+one element at a time by LLVM's half <-> float instructions (`_load`, `_store`); with F16C (x86) or
+on ARM these vectorize, so attention reads the f16 cache directly without a float32 copy. Where the
+CPU has no half conversion instructions `F16_NATIVE` is False and the backend uses the twins.
+
+The numbers follow ggml's CPU ops as the twins do: RMSNorm sums f32 squares in float64 and scales
+in float32; RoPE reads precomputed cos/sin tables; attention rounds q to the cache type, softmax is
+float32 with the max subtracted, probabilities normalized before the V sum.
+"""
+from __future__ import annotations
+
+import os
+
+if "NUMBA_CACHE_DIR" not in os.environ:  # compiled kernels go to edgellm's user cache dir
+    from edgellm.kernels.cpu import numba_cache_dir
+
+    os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import binding as llvm_binding  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+F32 = np.float32
+NEG_INF = F32(-np.inf)
+# Dot products and V sums may be reassociated (vectorized); inf / nan handling stays IEEE because
+# masked scores are -inf.
+DOT_MATH = {"reassoc", "contract"}
+# a head attends in parallel (one thread per head) when it reads this many cache elements or more
+PARALLEL_ATTN_ELEMENTS = 1 << 16
+
+
+def _f16_native() -> bool:
+    arch = llvm_binding.get_process_triple().split("-")[0]
+    if arch not in ("x86_64", "i386", "i686"):
+        return True  # AArch64 and others convert half natively
+    feats = llvm_binding.get_host_cpu_features().flatten().split(",")
+    return "+f16c" in feats
+
+
+F16_NATIVE = _f16_native()
+
+
+@intrinsic
+def _load(typingctx, x):
+    """float32 of a cache element: uint16 (float16 bits) or float32."""
+    if x == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.uint16), codegen
+    if x == types.float32:
+        def ident(context, builder, sig, args):
+            return args[0]
+        return types.float32(types.float32), ident
+    return None
+
+
+@intrinsic
+def _store(typingctx, x, like):
+    """float32 x as a cache element of like's type: float16 bits (round to nearest even) or float32."""
+    if like == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.uint16(types.float32, types.uint16), codegen
+    if like == types.float32:
+        def ident(context, builder, sig, args):
+            return args[0]
+        return types.float32(types.float32, types.float32), ident
+    return None
+
+
+# --- elementwise ---------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def rms_norm(x, w, eps, out):
+    """x, out float32 (rows, n) (may alias); w (n,) or (0,) for none. Per row:
+    mean = f32(sum_f64(x*x) / n), out = x * (1 / sqrt(mean + eps)) [* w]."""
+    rows, n = x.shape
+    has_w = w.shape[0] == n
+    for r in range(rows):
+        s = 0.0
+        for i in range(n):
+            v = x[r, i]
+            s += np.float64(v * v)
+        mean = F32(s / n)
+        scale = F32(1.0) / np.sqrt(mean + F32(eps))
+        for i in range(n):
+            y = x[r, i] * scale
+            out[r, i] = y * w[i] if has_w else y
+
+
+@njit(cache=True, nogil=True)
+def add_rms_norm(x, o, post_w, next_w, eps, h):
+    """Residual step: o = rms_norm(o) * post_w (if post_w is not empty); x += o; then
+    h = rms_norm(x) * next_w (if next_w is not empty). x, o, h float32 (rows, n)."""
+    if post_w.shape[0]:
+        rms_norm(o, post_w, eps, o)
+    rows, n = x.shape
+    for r in range(rows):
+        for i in range(n):
+            x[r, i] = x[r, i] + o[r, i]
+    if next_w.shape[0]:
+        rms_norm(x, next_w, eps, h)
+
+
+@njit(cache=True, nogil=True)
+def silu_mul(gate, up, out):
+    """out = gate / (1 + exp(-gate)) * up, float32 (rows, n)."""
+    rows, n = gate.shape
+    for r in range(rows):
+        for i in range(n):
+            g = gate[r, i]
+            out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+
+
+@njit(cache=True, nogil=True)
+def rope(x, cos, sin, pos, n_rot, neox):
+    """In place on x float32 (n_tok, n_head, hd); cos, sin float32 (n_pos, n_rot/2) tables indexed
+    by position. neox pairs (i, i + n_rot/2), else (2i, 2i + 1)."""
+    n_tok, n_head, _ = x.shape
+    half = n_rot // 2
+    for t in range(n_tok):
+        p = pos[t]
+        for h in range(n_head):
+            for i in range(half):
+                c = cos[p, i]
+                s = sin[p, i]
+                i0 = i if neox else 2 * i
+                i1 = i + half if neox else 2 * i + 1
+                x0 = x[t, h, i0]
+                x1 = x[t, h, i1]
+                x[t, h, i0] = x0 * c - x1 * s
+                x[t, h, i1] = x0 * s + x1 * c
+
+
+@njit(cache=True, nogil=True)
+def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size):
+    """Everything between the q/k/v projections and attention, in place on q (n_tok, n_head, hd),
+    k (n_tok, n_kv, hd), v (n_tok, n_kv, hd_v): + biases, QK-norm per head, RoPE; then k, v into the
+    cache kc, vc (size, n_kv, hd) at slot pos % size, kpos[slot] = pos. Empty arrays skip a step."""
+    n_tok, n_head, hd = q.shape
+    n_kv = k.shape[1]
+    hdv = v.shape[2]
+    for t in range(n_tok):
+        if bq.shape[0]:
+            for h in range(n_head):
+                for d in range(hd):
+                    q[t, h, d] += bq[h * hd + d]
+        if bk.shape[0]:
+            for h in range(n_kv):
+                for d in range(hd):
+                    k[t, h, d] += bk[h * hd + d]
+        if bv.shape[0]:
+            for h in range(n_kv):
+                for d in range(hdv):
+                    v[t, h, d] += bv[h * hdv + d]
+    if q_norm.shape[0]:
+        q2 = q.reshape(n_tok * n_head, hd)
+        rms_norm(q2, q_norm, eps, q2)
+    if k_norm.shape[0]:
+        k2 = k.reshape(n_tok * n_kv, hd)
+        rms_norm(k2, k_norm, eps, k2)
+    rope(q, cos, sin, pos, n_rot, neox)
+    rope(k, cos, sin, pos, n_rot, neox)
+    z = kc[0, 0, 0]
+    for t in range(n_tok):
+        slot = pos[t] % size
+        kpos[slot] = pos[t]
+        for h in range(n_kv):
+            for d in range(hd):
+                kc[slot, h, d] = _store(k[t, h, d], z)
+            for d in range(hdv):
+                vc[slot, h, d] = _store(v[t, h, d], z)
+
+
+# --- attention -----------------------------------------------------------------------------
+def _attend_rows(q, kc, vc, kpos, used, pos, window, scale, out):
+    """Causal / sliding-window attention of q float32 (n_tok, n_head, hd) over cache slots
+    [0, used) of kc (size, n_kv, hd), vc (size, n_kv, hd_v) (uint16 f16 bits or float32);
+    out float32 (n_tok, n_head * hd_v). A slot is visible to a query at position p when
+    0 <= kpos <= p and p - kpos < window (window 0: no limit). One (token, head) per iteration;
+    the cache is read through flat views with unsigned offsets so the inner loops vectorize."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vc.shape[2]
+    g = n_head // n_kv
+    z = kc[0, 0, 0]
+    kf = kc.reshape(-1)
+    vf = vc.reshape(-1)
+    uhd = np.uint64(hd)
+    uhdv = np.uint64(hdv)
+    for th in prange(n_tok * n_head):
+        t = th // n_head
+        h = th - t * n_head
+        kh = h // g
+        p = pos[t]
+        qr = np.empty(hd, F32)  # q rounded to the cache type, as ggml converts it for the K product
+        for d in range(hd):
+            qr[d] = _load(_store(q[t, h, d], z))
+        s = np.empty(used, F32)
+        m = NEG_INF
+        for j in range(used):
+            kp = kpos[j]
+            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                s[j] = NEG_INF
+                continue
+            base = np.uint64(j * n_kv + kh) * uhd
+            acc = F32(0.0)
+            for d in range(uhd):
+                acc += _load(kf[base + d]) * qr[d]
+            acc *= scale
+            s[j] = acc
+            if acc > m:
+                m = acc
+        total = F32(0.0)
+        for j in range(used):
+            e = np.exp(s[j] - m) if s[j] != NEG_INF else F32(0.0)
+            s[j] = e
+            total += e
+        o = np.zeros(hdv, F32)
+        for j in range(used):
+            # ggml hands the f32 probabilities to the f16 V product: they are rounded to f16 first
+            pj = _load(_store(s[j] / total, z))
+            if pj != 0.0:
+                base = np.uint64(j * n_kv + kh) * uhdv
+                for d in range(uhdv):
+                    o[d] += pj * _load(vf[base + d])
+        ob = h * hdv
+        for d in range(hdv):
+            out[t, ob + d] = o[d]
+
+
+attend = njit(cache=True, nogil=True, fastmath=DOT_MATH)(_attend_rows)
+attend_parallel = njit(cache=True, nogil=True, fastmath=DOT_MATH, parallel=True)(_attend_rows)
+
+
+@njit(cache=True, nogil=True)
+def masked_softmax(s, qpos, g, kpos, window, scale, like):
+    """In place on scores s float32 (n_q * g, n_k) (row r is a query at position qpos[r // g]):
+    s = softmax(s * scale) over the keys visible to the row (kpos (n_k,) as in `attend`), each
+    probability then rounded to the V cache's element type (`like`: a cache element), as ggml
+    converts them for the P V product."""
+    rows, n_k = s.shape
+    for r in range(rows):
+        p = qpos[r // g]
+        m = NEG_INF
+        for j in range(n_k):
+            kp = kpos[j]
+            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                s[r, j] = NEG_INF
+            else:
+                v = s[r, j] * scale
+                s[r, j] = v
+                if v > m:
+                    m = v
+        total = F32(0.0)
+        for j in range(n_k):
+            e = np.exp(s[r, j] - m) if s[r, j] != NEG_INF else F32(0.0)
+            s[r, j] = e
+            total += e
+        for j in range(n_k):
+            s[r, j] = _load(_store(s[r, j] / total, like))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def cache_to_f32(c, out):
+    """out float32 (n_kv, used, hd) = cache slots [0, used) of c (size, n_kv, hd), head-major."""
+    n_kv, used, hd = out.shape
+    for j in prange(used):
+        for h in range(n_kv):
+            for d in range(hd):
+                out[h, j, d] = _load(c[j, h, d])
+
+
+@njit(cache=True, nogil=True)
+def round_to_cache(q, cache, out):
+    """out float32 = q rounded to the element type of the cache (f16 bits: nearest even)."""
+    z = cache[0, 0, 0]
+    qf = q.reshape(-1)
+    of = out.reshape(-1)
+    for i in range(qf.shape[0]):
+        of[i] = _load(_store(qf[i], z))
