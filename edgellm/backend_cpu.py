@@ -47,6 +47,9 @@ class KVLayer:
         self.window = window
         self.k = xp.zeros((size, n_kv_head, head_dim_k), dtype=dtype)
         self.v = xp.zeros((size, n_kv_head, head_dim_v), dtype=dtype)
+        if xp is np:  # commit the pages now (zeros() maps them lazily): memory runs out at load,
+            self.k.fill(0)  # never in the middle of a generation
+            self.v.fill(0)
         self.pos = np.full(size, -1, dtype=np.int64)  # host-side bookkeeping
         self.n_used = 0  # slots [0, n_used) may hold data
 

@@ -44,5 +44,9 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
     out = {}
     for dev in sorted(set(weights) | set(kv)):
         out[dev] = {"weights": weights.get(dev, 0), "kv_cache": kv.get(dev, 0)}
-    out["cpu"]["rss"] = psutil.Process().memory_info().rss
+    rss = psutil.Process().memory_info().rss
+    out["cpu"]["rss"] = rss
+    # activations, interpreter, Numba, tokenizer tables: what the process holds beyond the two
+    # exact terms (mapped weights count once they are paged in)
+    out["cpu"]["other"] = max(0, rss - out["cpu"]["weights"] - out["cpu"]["kv_cache"])
     return out

@@ -130,8 +130,12 @@ class Runtime:
         ids = self._ids(tokens)
         self.reset()
         self._check_room(len(ids))
-        parts = [self._step(ids[i : i + self.n_batch], all_logits=True) for i in range(0, len(ids), self.n_batch)]
-        return np.concatenate(parts, axis=0)
+        if len(ids) <= self.n_batch:  # one batch: its logits are the answer, no copy
+            return self._step(ids, all_logits=True)
+        out = np.empty((len(ids), self.cfg.n_vocab), dtype=np.float32)
+        for i in range(0, len(ids), self.n_batch):
+            out[i : i + self.n_batch] = self._step(ids[i : i + self.n_batch], all_logits=True)
+        return out
 
     def _ids(self, tokens) -> np.ndarray:
         ids = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, dtype=np.int64).reshape(-1)

@@ -1,0 +1,42 @@
+"""The CPU memory ledger against reality: a fresh process loads a real model, runs a full prompt
+batch (all logits) and some decode steps, and its peak RSS is compared with the planner's estimate."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+WORKER = r"""
+import json, resource, sys
+import numpy as np
+import edgellm
+path, n_ctx, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+m = edgellm.load(path, n_ctx=n_ctx, n_batch=n_batch)
+rng = np.random.default_rng(0)
+m.logits(rng.integers(10, m.n_vocab - 10, size=n_batch))
+for t in rng.integers(10, 1000, size=8):
+    m.eval([int(t)])
+p = m.plan.cpu
+print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "total": p.total, "margin": p.margin, "kv": p.kv_cache, "weights": p.weights,
+                  "measured": m.memory()["cpu"]}))
+"""
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_cpu_estimate_within_5_percent_of_peak_rss(name):
+    from edgellm.fetch import model_path
+
+    r = subprocess.run([sys.executable, "-c", WORKER, str(model_path(name)), "2048", "256"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    estimate = d["total"] - d["margin"]
+    print(f"{name}: estimate {estimate / 2**20:.0f} MiB, peak RSS {d['peak_rss'] / 2**20:.0f} MiB")
+    assert abs(estimate / d["peak_rss"] - 1) <= 0.05
+    assert d["peak_rss"] <= d["total"]  # the margin covers what the terms miss
+    # weights and KV cache: what the runtime holds is what the ledger charged, to the byte
+    assert d["measured"]["weights"] == d["weights"] and d["measured"]["kv_cache"] == d["kv"]
