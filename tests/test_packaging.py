@@ -42,8 +42,8 @@ def test_installed_wheel_imports(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     code = ("import edgellm, edgellm.kernels.cpu, edgellm.kernels.cuda, edgellm.models.gemma3, edgellm.tui, "
             "edgellm.commands.plan; print(edgellm.__file__); print(edgellm.models.gemma3.__file__)")
-    r = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); "
-                        + "sys.path[:] = [p for p in sys.path if not p.startswith({!r})]; ".format(str(ROOT)) + code],
+    # -I: no cwd, no PYTHONPATH; the wheel's copy goes first, ahead of any editable install
+    r = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); " + code],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(line.startswith(str(target)) for line in r.stdout.split())
