@@ -208,8 +208,6 @@ class Model:
 
     def chat(self, messages, **sampling) -> Iterator[Chunk]:
         """Render `messages` with the file's chat template (ChatML if it has none) and stream the reply."""
-        from edgellm.chat import render_chat
-
         prompt = self.render_chat(messages)
         return self.generate(prompt, **sampling)
 

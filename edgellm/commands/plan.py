@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def gpu_layers_arg(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, -1 (all) or 'auto', got {text!r}") from None
-    if n < -1:
-        raise argparse.ArgumentTypeError(f"expected >= -1, got {n}")
-    return n
+from edgellm.commands.chat import gpu_layers_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
