@@ -27,19 +27,17 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
     the GPU), its KV cache arrays, and on the CPU the process RSS."""
     import psutil
 
+    from edgellm.planner import WeightSizes
+
     rt = model.runtime
-    weights: dict[str, int] = {"cpu": 0}
-    gf = model.gf
-    weights["cpu"] += gf.tensors["token_embd.weight"].nbytes
-    for il, dev in enumerate(rt.layer_devices):
-        n = sum(t.nbytes for name, t in gf.tensors.items() if name.startswith(f"blk.{il}."))
+    sizes = WeightSizes.from_tensors(model.gf.tensors, len(rt.layer_devices))
+    weights: dict[str, int] = {"cpu": sizes.token_embd}
+    for dev, n in zip(rt.layer_devices, sizes.blocks):
         weights[dev] = weights.get(dev, 0) + n
-    head = gf.tensors.get("output.weight")
     out_dev = rt.output_device
-    head_bytes = gf.tensors["output_norm.weight"].nbytes
-    if head is not None or out_dev != "cpu":
-        head_bytes += (head or gf.tensors["token_embd.weight"]).nbytes
-    weights[out_dev] = weights.get(out_dev, 0) + head_bytes
+    # a tied head on the CPU is the embedding already counted; anywhere else it is its own copy
+    head = sizes.head if (not sizes.tied_output or out_dev != "cpu") else 0
+    weights[out_dev] = weights.get(out_dev, 0) + sizes.output_norm + head
     kv = rt.kv_bytes()
     out = {}
     for dev in sorted(set(weights) | set(kv)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from edgellm.errors import InvalidArgumentError
+from edgellm.sampling import SamplingParams
 
 
 @dataclass
@@ -25,10 +26,9 @@ class ChatSettings:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top-p must be in (0, 1], got {self.top_p}")
+        # the sampling values are checked where generation checks them, with the same messages
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       repeat_penalty=self.repeat_penalty, seed=self.seed)
         if self.max_tokens < 1:
             raise InvalidArgumentError(f"max tokens must be >= 1, got {self.max_tokens}")
 
