@@ -13,22 +13,17 @@ def describe(gf) -> dict:
     from collections import Counter
 
     from edgellm.config import ModelConfig
+    from edgellm.planner import WeightSizes
 
     cfg = ModelConfig.from_gguf(gf)
     md = gf.metadata
     counts, nbytes = Counter(), Counter()
-    per_layer = [0] * cfg.n_layer
-    other = 0
-    for name, t in gf.tensors.items():
+    for t in gf.tensors.values():
         counts[t.qtype.name] += 1
         nbytes[t.qtype.name] += t.nbytes
-        if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            if 0 <= il < cfg.n_layer:
-                per_layer[il] += t.nbytes
-                continue
-        other += t.nbytes
     total = sum(nbytes.values())
+    per_layer = list(WeightSizes.from_tensors(gf.tensors, cfg.n_layer).blocks)
+    other = total - sum(per_layer)
     n_params = sum(t.n_elements for t in gf.tensors.values())
     return {
         "file": str(gf.path),
