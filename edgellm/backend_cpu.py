@@ -149,16 +149,13 @@ class NumpyBackend:
         cos = cos[pos][:, None, :]  # (n_tok, 1, n_rot/2)
         sin = sin[pos][:, None, :]
         half = n_rot // 2
-        if neox:
-            x0 = x[..., :half].copy()
-            x1 = x[..., half:n_rot].copy()
-            x[..., :half] = x0 * cos - x1 * sin
-            x[..., half:n_rot] = x0 * sin + x1 * cos
-        else:
-            x0 = x[..., 0:n_rot:2].copy()
-            x1 = x[..., 1:n_rot:2].copy()
-            x[..., 0:n_rot:2] = x0 * cos - x1 * sin
-            x[..., 1:n_rot:2] = x0 * sin + x1 * cos
+        i0 = np.arange(half) if neox else np.arange(0, n_rot, 2)
+        i1 = i0 + half if neox else i0 + 1
+        x0 = x[..., i0].astype(np.float64)
+        x1 = x[..., i1].astype(np.float64)
+        # ggml's fma(x0, cos, -(x1 sin)) and fma(x0, sin, x1 cos): exact products in float64
+        x[..., i0] = (x0 * cos - (x1 * sin).astype(F32)).astype(F32)
+        x[..., i1] = (x0 * sin + (x1 * cos).astype(F32)).astype(F32)
 
     def kv_store(self, kv: KVLayer, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         slots = kv.slots(pos)
@@ -188,8 +185,8 @@ class NumpyBackend:
         visible = np.repeat(visible, g, axis=0)  # (n_tok*g, T)
         s = np.where(visible[None], s, F32(-np.inf))
         s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
+        s = expf_ggml(s)
+        s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)  # ggml: float64 sum
         s = s.astype(kv.v.dtype).astype(F32)  # ggml rounds P to the V cache type for the P V product
         o = np.matmul(s, v.transpose(1, 0, 2))  # (n_kv, n_tok*g, hd_v)
         hd_v = v.shape[-1]
@@ -223,6 +220,7 @@ class CPUBackend(NumpyBackend):
     # queries per BLAS attention block: bounds the score buffer, and (no ring wrap) skips the keys
     # that no query of the block may see
     QUERY_BLOCK = 128
+    GGML_ORDER = True
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
@@ -288,6 +286,10 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
+        if self.GGML_ORDER:
+            n_acc = 4 if q.shape[0] == 1 else 1
+            self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), n_acc, out)
+            return
         if q.shape[0] >= self.BLAS_ATTENTION_TOKENS:
             self._attention_blas(q, kc, vc, kv, pos, F32(scale), out)
             return
@@ -367,6 +369,34 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
 _NONE = np.empty(0, dtype=F32)  # "no weight" / "no bias" for the kernels (read-only use)
 
 
+def _fma(a, b, c):
+    """float32 a * b + c rounded once (the product is exact in float64)."""
+    return (a.astype(np.float64) * b + c).astype(F32)
+
+
+def expf_ggml(x: np.ndarray) -> np.ndarray:
+    """float32 exp(x) as ggml's vectorized x86 code computes it (kernels.cpu.common.expf_ggml, in
+    NumPy): range reduction to n = round(x / ln 2), a degree-5 polynomial, 2^n by exponent bits."""
+    x = np.asarray(x, dtype=F32)
+    c = [F32(float.fromhex(h)) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3",
+                                          "0x1.fffdb6p-2", "0x1.ffffecp-1")]
+    r = F32(float.fromhex("0x1.8p23"))
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        z = _fma(x, F32(float.fromhex("0x1.715476p+0")), r)
+        n = z - r
+        b = _fma(-n, F32(float.fromhex("0x1.7f7d1cp-20")), _fma(-n, F32(float.fromhex("0x1.62e4p-1")), x))
+        e = z.view(np.uint32) << np.uint32(23)
+        k = (e + np.uint32(0x3F800000)).view(F32)
+        u = b * b
+        j = _fma(_fma(_fma(c[0], b, c[1]), u, _fma(c[2], b, c[3])), u, c[4] * b)
+        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0))
+        s1 = (g + np.uint32(0x7F000000)).view(F32)
+        s2 = (e - g).view(F32)
+        big = np.abs(n) > F32(126.0)
+        out = np.where(big, _fma(s2, j, s2) * s1, _fma(j, k, k))
+        return np.where(np.abs(n) > F32(192.0), s1 * s1, out).astype(F32)
+
+
 @functools.lru_cache(maxsize=1)
 def gelu_f16_table() -> np.ndarray:
     """float32 (65536,): ggml's GELU table, GELU-tanh of every f16 value computed in float32 and
@@ -399,7 +429,8 @@ class RopeTables:
 
 def rope_cache(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 (n_tok, n_rot/2); theta built like ggml: theta_0 = p, theta_{i+1} =
-    theta_i * base^(-2/n_rot) in float32, then times freq_scale."""
+    theta_i * base^(-2/n_rot) in float32, then times freq_scale; cos and sin from the C library's
+    cosf / sinf, as ggml's rope cache takes them (NumPy's own float32 cos differs by an ulp)."""
     theta_scale = F32(freq_base ** (-2.0 / n_rot))
     theta = pos.astype(F32)
     out = np.empty((len(pos), n_rot // 2), dtype=F32)
@@ -407,4 +438,8 @@ def rope_cache(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float)
         out[:, i] = theta
         theta = theta * theta_scale
     out *= F32(freq_scale)
-    return np.cos(out), np.sin(out)
+    from edgellm.kernels import cpu
+
+    cos, sin = np.empty_like(out), np.empty_like(out)
+    cpu._import("ops").cos_sin(out, cos, sin)
+    return cos, sin

@@ -77,10 +77,17 @@ def activation_format(ggml_type) -> str:
 
 
 def numba_cache_dir() -> Path:
-    """Where compiled kernels are cached: edgellm's user cache dir (see edgellm.fetch) / numba."""
+    """Where compiled kernels are cached: edgellm's user cache dir (see edgellm.fetch) / numba /
+    a digest of this package's sources. Numba checks only the file of the function it caches, so
+    a change to a helper module (common.py, rowdot.py) would otherwise load stale machine code."""
+    import hashlib
+
     from edgellm.fetch import cache_dir
 
-    return cache_dir() / "numba"
+    digest = hashlib.sha256()
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    return cache_dir() / "numba" / digest.hexdigest()[:16]
 
 
 def _import(name: str):
@@ -108,6 +115,13 @@ def _kernel_pair(ggml_type: GGMLType):
             pair = _import(family).KERNELS[ggml_type]
         _kernels[ggml_type] = pair
     return pair
+
+
+def _matmul_kernel(ggml_type: GGMLType):
+    """The batched kernel of a type whose products follow llama.cpp's order (None: BLAS path)."""
+    _kernel_pair(ggml_type)
+    family = _FAMILY[ggml_type][0]
+    return getattr(import_module(f"{__name__}.{family}"), "MATMUL", {}).get(ggml_type) if family else None
 
 
 def set_threads(n: int) -> None:
@@ -307,6 +321,11 @@ class Matrix:
         out = _floats("out", out, (n_tok, self.n_rows), True)
         if n_tok == 1:
             self.matvec(x[0], out[0])
+            return
+        exact = _matmul_kernel(self.ggml_type)
+        if exact is not None:  # the same row dot products as matvec, in llama.cpp's order
+            xa = _quantize(self.act_format, x.reshape(-1))
+            exact(self.raw, *xa.parts, out)
             return
         xr = requantize(self.act_format, x)
         if self.ggml_type in _Q8_1_WEIGHTS:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
+from edgellm.kernels.cpu.rowdot import rowdot_q4_1, rowdot_q8_0
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4,
                                         dot32_q5, f16_to_f32, load_f16, njit, prange)
 
@@ -124,22 +125,11 @@ def matvec_q4_0(raw, xq, xd, xs, xm, out):
         out[r] = acc
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q4_1(raw, xq, xd, xs, xm, out):
-    # One float accumulator per row. ggml's x86 code keeps 8 lane accumulators (lane k: weights
-    # 4k..4k+3 and 16+4k..) reduced pairwise at the end; a scalar-lane version of that order made
-    # decode steps equal llama.cpp's to 1e-5 in the logits but ran 3x slower without a lane-sum
-    # intrinsic, so the fast order stays until one exists.
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        acc_m = F32(0.0)
-        for b in range(U(xd.size)):
-            o = b * U(Q4_1_BYTES)
-            s = dot32_q4(row, o + U(4), xq, b * U(32))
-            acc += (load_f16(row, o) * xd[b]) * F32(s)
-            acc_m += load_f16(row, o + U(2)) * xm[b]
-        out[r] = acc + acc_m
+        out[r] = rowdot_q4_1(raw[r], U(0), xq, U(0), xd, xm, U(0), nb)
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
@@ -168,15 +158,50 @@ def matvec_q5_1(raw, xq, xd, xs, xm, out):
         out[r] = acc + acc_m
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q8_0(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for b in range(U(xd.size)):
-            o = b * U(Q8_0_BYTES)
-            acc += (load_f16(row, o) * xd[b]) * F32(dot32_i8(row, o + U(2), xq, b * U(32)))
-        out[r] = acc
+        out[r] = rowdot_q8_0(raw[r], U(0), xq, U(0), xd, U(0), nb)
+
+
+# --- matmul (a batch of tokens) -------------------------------------------------------------
+# x (n_tok, n_cols) as "q8_32" parts of the flattened rows (token t's blocks at t * nb ...).
+# Each output is the same row dot product as matvec's (llama.cpp's prompt products for these
+# types call the same vec_dot per (row, token) pair); rows go in chunks of ROW_CHUNK so a chunk's
+# weights stay in L1 while every token passes over them.
+ROW_CHUNK = 16
+
+
+@njit(**JIT)
+def matmul_q4_1(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q4_1(raw, U(r) * rb, xq, ut * nb * U(32), xd, xm, ut * nb, nb)
+
+
+@njit(**JIT)
+def matmul_q8_0(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q8_0(raw, U(r) * rb, xq, ut * nb * U(32), xd, ut * nb, nb)
+
+
+MATMUL = {GGMLType.Q4_1: matmul_q4_1, GGMLType.Q8_0: matmul_q8_0}
 
 
 KERNELS = {

@@ -27,6 +27,9 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from edgellm.kernels.cpu.common import U, expf_ggml, fma32  # noqa: E402
+from edgellm.kernels.cpu.rowdot import dot_f16  # noqa: E402
+
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 F32 = np.float32
@@ -112,18 +115,22 @@ def add_rms_norm(x, o, post_w, next_w, eps, h):
 
 @njit(cache=True, nogil=True)
 def silu_mul(gate, up, out):
-    """out = gate / (1 + exp(-gate)) * up, float32 (rows, n)."""
+    """out = gate / (1 + exp(-gate)) * up, float32 (rows, n), as ggml's swiglu: ggml's vectorized
+    exp for each full group of 8 of a row, the C library's expf for the rest."""
     rows, n = gate.shape
+    n8 = n // 8 * 8
     for r in range(rows):
         for i in range(n):
             g = gate[r, i]
-            out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+            e = expf_ggml(-g) if i < n8 else np.exp(-g)
+            out[r, i] = g / (F32(1.0) + e) * up[r, i]
 
 
 @njit(cache=True, nogil=True)
 def rope(x, cos, sin, pos, n_rot, neox):
     """In place on x float32 (n_tok, n_head, hd); cos, sin float32 (n_pos, n_rot/2) tables indexed
-    by position. neox pairs (i, i + n_rot/2), else (2i, 2i + 1)."""
+    by position. neox pairs (i, i + n_rot/2), else (2i, 2i + 1). Each pair rotates as ggml's
+    compiled code does it: fma(x0, cos, -(x1 sin)), fma(x0, sin, x1 cos)."""
     n_tok, n_head, _ = x.shape
     half = n_rot // 2
     for t in range(n_tok):
@@ -136,8 +143,17 @@ def rope(x, cos, sin, pos, n_rot, neox):
                 i1 = i + half if neox else 2 * i + 1
                 x0 = x[t, h, i0]
                 x1 = x[t, h, i1]
-                x[t, h, i0] = x0 * c - x1 * s
-                x[t, h, i1] = x0 * s + x1 * c
+                x[t, h, i0] = fma32(x0, c, -(x1 * s))
+                x[t, h, i1] = fma32(x0, s, x1 * c)
+
+
+@njit(cache=True, nogil=True)
+def cos_sin(theta, cos, sin):
+    """cos, sin of float32 theta with the C library's cosf / sinf (what ggml's rope cache calls)."""
+    for i in range(theta.shape[0]):
+        for j in range(theta.shape[1]):
+            cos[i, j] = np.cos(theta[i, j])
+            sin[i, j] = np.sin(theta[i, j])
 
 
 @njit(cache=True, nogil=True)
@@ -287,3 +303,95 @@ def round_to_cache(q, cache, out):
     of = out.reshape(-1)
     for i in range(qf.shape[0]):
         of[i] = _load(_store(qf[i], z))
+
+
+# --- attention in ggml's summation order ------------------------------------------------------
+# llama.cpp (no flash attention) computes KQ = K q and out = V^T P as f16 matrix products: for one
+# token with ggml's vec_dot_f16 (four 8-lane accumulators: element i goes to lane i % 8 of
+# accumulator (i / 8) % 4), for a batch with llamafile's tinyBLAS (one 8-lane accumulator); the
+# softmax scales, masks, subtracts the max, takes ggml's vectorized exp and sums 8-lane chunks
+# into a float64 total. Following that order makes attention the same bits as llama.cpp's.
+@njit(inline="always")
+def _lanes_reduce(acc, n_acc):
+    """Sum of the n_acc x 8 lanes of acc in ggml's order (vec_dot_f16's reduce for 4
+    accumulators; tinyBLAS's / hsum_float_8's for 1)."""
+    if n_acc == 4:
+        for i in range(8):
+            acc[i] = (acc[i] + acc[16 + i]) + (acc[8 + i] + acc[24 + i])
+    t0 = acc[0] + acc[4]
+    t1 = acc[1] + acc[5]
+    t2 = acc[2] + acc[6]
+    t3 = acc[3] + acc[7]
+    if n_acc == 4:
+        return (t0 + t1) + (t2 + t3)
+    return (t0 + t2) + (t1 + t3)
+
+
+def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out):
+    """Attention as `attend` computes it, with every sum in ggml's order: n_acc = 4 for a single
+    token (vec_dot_f16), 1 for a batch (tinyBLAS). hd and hd_v must be multiples of 8. Keys a
+    query may not see are skipped: their score is -inf and their probability 0 in ggml too, and
+    adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
+    let the 8-lane loops vectorize."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vc.shape[2]
+    g = n_head // n_kv
+    z = kc[0, 0, 0]
+    kf = kc.reshape(-1)
+    vf = vc.reshape(-1)
+    n_pad = (used + 7) // 8 * 8
+    uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
+    lane_groups = U(n_acc)  # accumulators of 8 lanes: element i goes to group (i / 8) % n_acc
+    for th in prange(n_tok * n_head):
+        t = th // n_head
+        h = th - t * n_head
+        kh = U(h // g)
+        p = pos[t]
+        qr = np.empty(hd, F32)
+        for d in range(hd):
+            qr[d] = _load(_store(q[t, h, d], z))
+        acc = np.empty(32, F32)
+        s = np.empty(n_pad, F32)
+        m = NEG_INF
+        for j in range(used):
+            kp = kpos[j]
+            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                s[j] = NEG_INF
+                continue
+            base = (U(j) * unkv + kh) * uhd
+            if n_acc == 4:
+                v = dot_f16(kf, base, qr, U(0), uhd, 4) * scale
+            else:
+                v = dot_f16(kf, base, qr, U(0), uhd, 1) * scale
+            s[j] = v
+            if v > m:
+                m = v
+        for j in range(used, n_pad):
+            s[j] = NEG_INF
+        total = 0.0
+        for c in range(0, n_pad, 8):
+            for i in range(8):
+                e = expf_ggml(s[c + i] - m) if s[c + i] != NEG_INF else F32(0.0)
+                acc[i] = e
+                s[c + i] = e
+            total += np.float64(_lanes_reduce(acc, 1))
+        inv = F32(1.0 / total)
+        n_lanes = lane_groups * U(8)
+        accv = np.zeros(n_lanes * uhdv, F32)
+        for j in range(used):
+            if s[j] == F32(0.0):
+                continue
+            pj = _load(_store(s[j] * inv, z))
+            vb = (U(j) * unkv + kh) * uhdv
+            ab = (U(j) % n_lanes) * uhdv
+            for d in range(uhdv):
+                accv[ab + d] = fma32(_load(vf[vb + d]), pj, accv[ab + d])
+        ob = U(h) * uhdv
+        for d in range(uhdv):
+            for li in range(n_lanes):
+                acc[li] = accv[li * uhdv + d]
+            out[t, ob + d] = _lanes_reduce(acc, n_acc)
+
+
+attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
