@@ -399,13 +399,14 @@ def expf_ggml(x: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def gelu_f16_table() -> np.ndarray:
-    """float32 (65536,): ggml's GELU table, GELU-tanh of every f16 value computed in float32 and
-    stored as f16 (read-only)."""
+    """float32 (65536,): ggml's GELU table, GELU-tanh of every f16 value computed in float32 as
+    ggml's compiled code does (kernels.cpu.ops.gelu_table) and stored as f16 (read-only)."""
+    from edgellm.kernels import cpu
+
     x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        t = np.tanh(F32(math.sqrt(2.0 / math.pi)) * x * (F32(1.0) + F32(0.044715) * x * x))
-        g = F32(0.5) * x * (F32(1.0) + t)
-    table = g.astype(np.float16).astype(F32)
+        cpu._import("ops").gelu_table(x)
+        table = x.astype(np.float16).astype(F32)
     table.flags.writeable = False
     return table
 

@@ -26,7 +26,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
-                                        load_f16, njit, prange)
+                                        fma32, load_f16, njit, prange)
+from edgellm.kernels.cpu.rowdot import rowdot_q6_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -200,27 +201,59 @@ def matvec_q3_k(raw, xq, xd, xs, xm, out):
         out[r] = acc
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(fastmath=FAST_IN_ORDER, inline="always")
+def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
+    """Row `row` times token t's x, in the order of ggml's x86 kernels for Q4_K rows repacked 8
+    at a time (what llama.cpp runs when the row count is a multiple of 8): integer sums of
+    sc * q * x and of min * (x sums), then acc = fma(isum, d_w * d_x, acc) and acc_m likewise
+    with dmin; result acc - acc_m. The one-token kernel (gemv) takes one fma per super-block,
+    the four-token one (gemm, per_pair) one per pair of sub-blocks."""
+    acc = F32(0.0)
+    acc_m = F32(0.0)
+    for j in range(nb):
+        i = t * nb + j
+        o, x0, g0 = j * U(Q4_K_BYTES), i * U(QK_K), i * U(16)
+        d = load_f16(row, o) * xd[i]
+        dmin = load_f16(row, o + U(2)) * xd[i]
+        isum = I32(0)
+        msum = I32(0)
+        for c in range(U(4)):  # 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
+            q0 = o + U(16) + U(32) * c
+            sc0, m0 = _scale_min(row, o + U(4), c + c)
+            sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
+            isum += dot32_field(row, q0, I32(0), I32(15), xq, x0 + U(64) * c, sc0, sc0) \
+                + dot32_field(row, q0, I32(4), I32(15), xq, x0 + U(64) * c + U(32), sc1, sc1)
+            k = g0 + U(4) * c
+            msum += m0 * (xs[k] + xs[k + U(1)]) + m1 * (xs[k + U(2)] + xs[k + U(3)])
+            if per_pair:
+                acc = fma32(F32(isum), d, acc)
+                acc_m = fma32(F32(msum), dmin, acc_m)
+                isum = I32(0)
+                msum = I32(0)
+        if not per_pair:
+            acc = fma32(F32(isum), d, acc)
+            acc_m = fma32(F32(msum), dmin, acc_m)
+    return acc - acc_m
+
+
+@njit(**JIT)
 def matvec_q4_k(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        acc_m = F32(0.0)
-        for i in range(U(xd.size)):
-            o, x0, g0 = i * U(Q4_K_BYTES), i * U(QK_K), i * U(16)
-            isum = I32(0)
-            msum = I32(0)
-            for c in range(U(4)):  # 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
-                q0 = o + U(16) + U(32) * c
-                sc0, m0 = _scale_min(row, o + U(4), c + c)
-                sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
-                isum += dot32_field(row, q0, I32(0), I32(15), xq, x0 + U(64) * c, sc0, sc0) \
-                    + dot32_field(row, q0, I32(4), I32(15), xq, x0 + U(64) * c + U(32), sc1, sc1)
-                k = g0 + U(4) * c
-                msum += m0 * (xs[k] + xs[k + U(1)]) + m1 * (xs[k + U(2)] + xs[k + U(3)])
-            acc += (load_f16(row, o) * xd[i]) * F32(isum)
-            acc_m += (load_f16(row, o + U(2)) * xd[i]) * F32(msum)
-        out[r] = acc - acc_m
+        out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
+
+
+@njit(**JIT)
+def matmul_q4_k(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_gemm)
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
@@ -250,28 +283,29 @@ def matvec_q5_k(raw, xq, xd, xs, xm, out):
         out[r] = acc - acc_m
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q6_k(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for i in range(U(xd.size)):
-            o, x0, g0 = i * U(Q6_K_BYTES), i * U(QK_K), i * U(16)
-            isum = I32(0)
-            for h in range(U(2)):
-                for t in range(U(4)):  # 32 weights, groups g and g + 1
-                    g = U(8) * h + U(2) * t
-                    sc0 = I32(np.int8(row[o + U(192) + g]))
-                    sc1 = I32(np.int8(row[o + U(193) + g]))
-                    xo = x0 + U(128) * h + U(32) * t
-                    # q = low nibble + 16 * high 2 bits - 32
-                    isum += dot32_field(row, o + U(64) * h + U(32) * (t & U(1)), I32(4 * (t >> U(1))),
-                                        I32(15), xq, xo, sc0, sc1) \
-                        + I32(16) * dot32_field(row, o + U(128) + U(32) * h, I32(2 * t), I32(3),
-                                                xq, xo, sc0, sc1) \
-                        - I32(32) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
-            acc += (load_f16(row, o + U(208)) * xd[i]) * F32(isum)
-        out[r] = acc
+        out[r] = rowdot_q6_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
+
+
+@njit(**JIT)
+def matmul_q6_k(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
+
+
+ROW_CHUNK = 16
+MATMUL = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q6_K: matmul_q6_k}
 
 
 KERNELS = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import rowdot_q4_1, rowdot_q8_0
+from edgellm.kernels.cpu.rowdot import rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4,
                                         dot32_q5, f16_to_f32, load_f16, njit, prange)
 
@@ -132,16 +132,11 @@ def matvec_q4_1(raw, xq, xd, xs, xm, out):
         out[r] = rowdot_q4_1(raw[r], U(0), xq, U(0), xd, xm, U(0), nb)
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q5_0(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for b in range(U(xd.size)):
-            o = b * U(Q5_0_BYTES)
-            s = dot32_q5(row, o + U(6), np.uint32(_u32(row, o + U(2))), xq, b * U(32)) - I32(16) * xs[b]
-            acc += (load_f16(row, o) * xd[b]) * F32(s)
-        out[r] = acc
+        out[r] = rowdot_q5_0(raw[r], U(0), xq, U(0), xd, U(0), nb)
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
@@ -201,7 +196,21 @@ def matmul_q8_0(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q8_0(raw, U(r) * rb, xq, ut * nb * U(32), xd, ut * nb, nb)
 
 
-MATMUL = {GGMLType.Q4_1: matmul_q4_1, GGMLType.Q8_0: matmul_q8_0}
+@njit(**JIT)
+def matmul_q5_0(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), xd, ut * nb, nb)
+
+
+MATMUL = {GGMLType.Q4_1: matmul_q4_1, GGMLType.Q5_0: matmul_q5_0, GGMLType.Q8_0: matmul_q8_0}
 
 
 KERNELS = {

@@ -147,6 +147,21 @@ def rope(x, cos, sin, pos, n_rot, neox):
                 x[t, h, i1] = fma32(x0, s, x1 * c)
 
 
+_SQRT_2_OVER_PI = F32(0.7978845608028654)
+_GELU_COEF_A = F32(0.044715)
+
+
+@njit(cache=True, nogil=True)
+def gelu_table(x):
+    """In place on float32 x: GELU-tanh as ggml's compiled ggml_gelu_f32 computes it,
+    0.5 x (1 + tanhf(sqrt(2/pi) x fma(0.044715 x, x, 1))), with the C library's tanhf (the
+    table llama.cpp's GEGLU reads is this, rounded to f16)."""
+    for i in range(x.shape[0]):
+        v = x[i]
+        inner = (_SQRT_2_OVER_PI * v) * fma32(_GELU_COEF_A * v, v, F32(1.0))
+        x[i] = F32(0.5) * v * (F32(1.0) + np.tanh(inner))
+
+
 @njit(cache=True, nogil=True)
 def cos_sin(theta, cos, sin):
     """cos, sin of float32 theta with the C library's cosf / sinf (what ggml's rope cache calls)."""

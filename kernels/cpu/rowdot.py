@@ -215,3 +215,123 @@ def dot_f16(typingctx, k, k_off, q, q_off, n, n_acc):
         return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
 
     return sig, codegen
+
+
+def _bits_spread(builder, qh32):
+    """<32 x i1>: bit j of the uint32 qh in lane j."""
+    qh_bytes = builder.bitcast(qh32, _i8(4))
+    spread = builder.shuffle_vector(qh_bytes, ir.Constant(_i8(4), ir.Undefined),
+                                    ir.Constant(_i32(32), [j // 8 for j in range(32)]))
+    bit = builder.and_(spread, ir.Constant(_i8(32), [1 << (j % 8) for j in range(32)]))
+    return builder.icmp_unsigned("!=", bit, ir.Constant(_i8(32), [0] * 32))
+
+
+@intrinsic
+def rowdot_q5_0(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
+    """float32: a Q5_0 row (22-byte blocks: d, qh u32, qs[16]) times x in Q8_0 form, in ggml's
+    order (the weights as signed q - 16, then as Q8_0)."""
+    sig = types.float32(w, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, xd_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[4], xd_)
+
+        def body(i, acc, s):
+            o = builder.add(w_off_, builder.mul(i, ir.Constant(_I64, 22)))
+            d0 = _load_half(builder, wp, o)
+            d1 = builder.load(builder.gep(dp, [builder.add(b_off_, i)]))
+            qh = _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 2)), ir.IntType(32))
+            nib = _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 6)))
+            # 5th bit clear: q - 16 = nibble - 16, i.e. the nibble with the high bits 0xF0 set
+            high = builder.select(_bits_spread(builder, qh), ir.Constant(_i8(32), [0] * 32),
+                                  ir.Constant(_i8(32), [0xF0] * 32))
+            qx = builder.or_(nib, high)
+            qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(i, ir.Constant(_I64, 32))), _i8(32))
+            ax, sy = _abs_sign(builder, qx, qy)
+            xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
+            acc = _fma(builder, _splat(builder, builder.fmul(d0, d1), _V8F), xy, acc)
+            return acc, s
+
+        acc, _ = _block_loop(context, builder, nb_, body)
+        return _hsum8(builder, acc)
+
+    return sig, codegen
+
+
+def _scaled_quads(builder, u8, s8, sc0, sc1):
+    """<8 x i32>: lane j = sc(j) * sum_{k<4} u8[4j+k] * s8[4j+k], sc = sc0 for lanes 0..3
+    (bytes 0..15), sc1 for 4..7; u8 in 0..63 (pair sums fit int16): pmaddubsw, then pmaddwd
+    with the scales."""
+    sc = builder.shuffle_vector(_splat(builder, builder.trunc(sc0, ir.IntType(16)), _i16(16)),
+                                _splat(builder, builder.trunc(sc1, ir.IntType(16)), _i16(16)),
+                                ir.Constant(_i32(16), list(range(8)) + list(range(24, 32))))
+    if AVX2:
+        p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [p16, sc])
+    prod = builder.mul(builder.zext(u8, _i32(32)), builder.sext(s8, _i32(32)))
+    pairs = builder.add(builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(0, 32, 2)))),
+                        builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(1, 32, 2)))))
+    pairs = builder.mul(pairs, builder.sext(sc, _i32(16)))
+    return builder.add(builder.shuffle_vector(pairs, pairs, ir.Constant(_i32(8), list(range(0, 16, 2)))),
+                       builder.shuffle_vector(pairs, pairs, ir.Constant(_i32(8), list(range(1, 16, 2)))))
+
+
+@intrinsic
+def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
+    """float32: a Q6_K row (210-byte super-blocks: ql[128], qh[64], scales i8[16], d) times x in
+    Q8_K form (xs: sums per 16), in ggml's order: per super-block eight int32 lanes (lane j: the
+    unsigned 6-bit q times x of weights 4j..4j+3 of every 32, scaled), minus lane j's share of the
+    offset 32 * (sc[2j] xs[2j] + sc[2j+1] xs[2j+1]); then acc = fma(d_x * d_w, lanes, acc) and
+    hsum_float_8."""
+    sig = types.float32(w, types.uint64, xq, types.uint64, xd, xs, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, xd_, xs_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[4], xd_)
+        sp = _ptr(context, builder, signature.args[5], xs_)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        def body(i, acc, s):
+            o = builder.add(w_off_, builder.mul(i, const(210)))
+            xo = builder.add(x_off_, builder.mul(i, const(256)))
+            sumi = ir.Constant(_i32(8), [0] * 8)
+            for h in range(2):
+                qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
+                for t in range(4):
+                    ql = _load_vec(builder, wp, builder.add(o, const(64 * h + 32 * (t % 2))), _i8(32))
+                    lo = builder.and_(builder.lshr(ql, ir.Constant(_i8(32), [4 * (t // 2)] * 32)),
+                                      ir.Constant(_i8(32), [15] * 32))
+                    hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [2 * t] * 32)),
+                                      ir.Constant(_i8(32), [3] * 32))
+                    q = builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32)))
+                    y = _load_vec(builder, xp, builder.add(xo, const(128 * h + 32 * t)), _i8(32))
+                    g = 8 * h + 2 * t
+                    sc = [builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + g + k))])),
+                                       ir.IntType(32)) for k in (0, 1)]
+                    sumi = builder.add(sumi, _scaled_quads(builder, q, y, sc[0], sc[1]))
+            # the -32 of every weight, per lane: 32 * (sc[2l] * xs[2l] + sc[2l+1] * xs[2l+1])
+            s16 = builder.mul(builder.add(b_off_, i), const(16))
+            sub = []
+            for k in range(16):
+                sck = builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + k))])), ir.IntType(32))
+                sub.append(builder.mul(sck, builder.load(builder.gep(sp, [builder.add(s16, const(k))]))))
+            offs = ir.Constant(_i32(8), [0] * 8)
+            for lane in range(8):
+                pair = builder.shl(builder.add(sub[2 * lane], sub[2 * lane + 1]), ir.Constant(ir.IntType(32), 5))
+                offs = builder.insert_element(offs, pair, ir.Constant(ir.IntType(32), lane))
+            sumi = builder.sub(sumi, offs)
+            d = builder.fmul(builder.load(builder.gep(dp, [builder.add(b_off_, i)])),
+                             _load_half(builder, wp, builder.add(o, const(208))))
+            acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)
+            return acc, s
+
+        acc, _ = _block_loop(context, builder, nb_, body)
+        return _hsum8(builder, acc)
+
+    return sig, codegen
