@@ -30,6 +30,7 @@ class ModelConfig:
     swa_layers: tuple[bool, ...]  # per layer: uses the sliding window
     tied_output: bool  # output head is token_embd
     file_type: int | None = None
+    n_merges: int = 0  # BPE merges in the vocabulary (the tokenizer's memory grows with them)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -105,6 +106,7 @@ class ModelConfig:
             swa_layers=swa_layers,
             tied_output="output.weight" not in gf.tensors,
             file_type=md.get("general.file_type"),
+            n_merges=len(md.get("tokenizer.ggml.merges") or ()),
         )
 
     @property

@@ -35,11 +35,13 @@ KV_TYPE_BYTES = {"f16": 2, "f32": 4}
 GPU_RUNTIME_BYTES = 512 * MiB
 # CPU runtime, measured: RSS of a fresh `python -c "import numpy, numba"` is 92 MiB; after the first
 # parallel Numba function is compiled (LLVM and the threading layer loaded) it is 155 MiB
-# (Python 3.11, numpy 2, numba 0.6x); the JIT cache, tokenizer tables and OpenBLAS buffers take the
-# rest. Whole-model peak RSS minus the other terms came out 190 MiB in one venv and 234 MiB in a
-# fresh one with the same package versions (SmolLM2 and Gemma-3, tests/test_ledger.py): 216 MiB is
-# the middle, and the margin covers the upper end.
-CPU_RUNTIME_BYTES = 216 * MiB
+# (Python 3.11, numpy 2, numba 0.6x). Whole-model peak RSS minus every other term (the tokenizer's
+# below included) came out 147 MiB for SmolLM2 and 153 MiB for Gemma-3 (tests/test_ledger.py).
+CPU_RUNTIME_BYTES = 152 * MiB
+# The vocabulary as Python objects (metadata arrays, token <-> id tables, BPE merge ranks), measured
+# as RSS growth: SmolLM2 (49,152 tokens, 48,900 merges) 30 MiB, Gemma-3 (262,144 tokens) 66 MiB.
+TOKENIZER_BYTES_PER_TOKEN = 264
+TOKENIZER_BYTES_PER_MERGE = 377
 # Host memory the CUDA driver and CuPy take when a GPU is used (pinned staging, driver mappings). An
 # estimate, like GPU_RUNTIME_BYTES, to be measured next to it.
 CUDA_HOST_RUNTIME_BYTES = 256 * MiB
@@ -47,6 +49,7 @@ MARGIN_FRACTION = 0.05  # allocator fragmentation, buffers the model forgot to n
 MARGIN_MIN = 64 * MiB
 
 F32 = 4  # bytes of every activation element
+ATTN_THREADS = 64  # threads whose attention scratch is charged (more than any CPU here has)
 Q8_BLOCK = (32, 2 + 32)  # activations quantized to Q8_0 for the integer dot products: 32 values per 34 B
 
 
@@ -153,7 +156,10 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             q=t * q_dim * F32,  # (n_tok, n_head, head_dim_k)
             k=t * kv_dim_k * F32,  # (n_tok, n_head_kv, head_dim_k), before it is written to the cache
             v=t * kv_dim_v * F32,  # (n_tok, n_head_kv, head_dim_v)
-            attn_scores=c.n_head * t * n_ctx_attn * F32,  # (n_head, n_tok, n_ctx)
+            # attention scores: the GPU kernels hold (n_head, n_tok, n_ctx); the CPU kernel one row of
+            # scores and 32 lanes of head_dim_v sums per thread
+            attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) if is_host
+                         else c.n_head * t * n_ctx_attn) * F32,
             attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
             proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
             ffn_gate=t * c.n_ff * F32,  # (n_tok, n_ff)
@@ -255,6 +261,12 @@ class RuntimeCosts:
     cuda_host_runtime: int = CUDA_HOST_RUNTIME_BYTES
 
 
+def tokenizer_bytes(config) -> int:
+    """Host memory of the tokenizer's tables for this vocabulary."""
+    return (config.n_vocab * TOKENIZER_BYTES_PER_TOKEN
+            + getattr(config, "n_merges", 0) * TOKENIZER_BYTES_PER_MERGE)
+
+
 def _margin(used: int) -> int:
     return max(MARGIN_MIN, int(MARGIN_FRACTION * used)) if used else 0
 
@@ -285,7 +297,7 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
         ) if (dev == "cpu" or gpu_used) else {}
         activations = sum(buffers.values())
         if dev == "cpu":
-            runtime = costs.cpu_runtime + (costs.cuda_host_runtime if gpu_used else 0)
+            runtime = costs.cpu_runtime + tokenizer_bytes(config) + (costs.cuda_host_runtime if gpu_used else 0)
         else:
             runtime = costs.gpu_runtime if gpu_used else 0
         used = dev_weights[dev] + dev_kv[dev] + activations

@@ -99,7 +99,9 @@ def test_activation_terms_are_the_named_buffers(sparse_models):
     assert p.gpu.activations == sum(gpu.values()) and p.cpu.activations == sum(cpu.values())
     # n_batch larger than the context: a step never holds more than n_ctx tokens
     small = plan(cfg, sizes, n_ctx=128, n_batch=512, budgets=BIG)
-    assert dict(small.cpu.activation_buffers)["attn_scores"] == 32 * 128 * 128 * 4
+    assert dict(small.cpu.activation_buffers)["ffn_gate"] == 128 * 11008 * 4
+    # the CPU attends with per-thread scratch: one row of scores and 32 lanes of head_dim sums
+    assert dict(small.cpu.activation_buffers)["attn_scores"] == 64 * (128 + 32 * 128) * 4
 
 
 # ------------------------------------------------------------------------------------ placement

@@ -1,0 +1,155 @@
+"""NumPy references of the kernels that sum in ggml's order (rowdot.py, the Q4_K rows of
+kquants.py, attention's dot products): slow, written from the description of ggml's x86 code,
+and bit-for-bit what the kernels must return (tests/test_ggml_order.py).
+
+Every function takes weight rows as raw uint8 (n_rows, row_bytes) and x already in its activation
+format (the parts of `edgellm.kernels.cpu.quantize`), and returns float32 (n_rows,).
+fma(a, b, c) is computed in float64 (the float32 product is exact there) and rounded once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def fma(a, b, c) -> np.ndarray:
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
+
+
+def hsum8(acc: np.ndarray) -> np.ndarray:
+    """ggml's hsum_float_8 over the last axis (8 lanes): ((4+0) + (6+2)) + ((5+1) + (7+3))."""
+    a = acc.astype(F32)
+    r = [(a[..., i + 4] + a[..., i]).astype(F32) for i in range(4)]
+    return ((r[0] + r[2]).astype(F32) + (r[1] + r[3]).astype(F32)).astype(F32)
+
+
+def _f16(raw: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[:, off:off + 2]).view(np.float16)[:, 0].astype(F32)
+
+
+def _quads(w: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(rows, 8) int64: lane j = sum of w * y over bytes 4j .. 4j+3 of a 32-byte block."""
+    return (w.astype(np.int64) * y.astype(np.int64)).reshape(*w.shape[:-1], 8, 4).sum(-1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(rows, 16) bytes -> (rows, 32): weights 0..15 from the low nibbles, 16..31 from the high."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def rowdot_q4_1(raw, xq, xd, xm) -> np.ndarray:
+    nb = xd.size
+    acc = np.zeros((raw.shape[0], 8), F32)
+    summs = np.zeros(raw.shape[0], F32)
+    for b in range(nb):
+        blk = raw[:, 20 * b:20 * b + 20]
+        d0, m0 = _f16(blk, 0), _f16(blk, 2)
+        summs = fma(m0, xm[b], summs)
+        lanes = _quads(_nibbles(blk[:, 4:20]), xq[32 * b:32 * b + 32]).astype(F32)
+        acc = fma((d0 * xd[b]).astype(F32)[:, None], lanes, acc)
+    return (hsum8(acc) + summs).astype(F32)
+
+
+def rowdot_q8_0(raw, xq, xd) -> np.ndarray:
+    acc = np.zeros((raw.shape[0], 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 34 * b:34 * b + 34]
+        lanes = _quads(blk[:, 2:34].view(np.int8), xq[32 * b:32 * b + 32]).astype(F32)
+        acc = fma((_f16(blk, 0) * xd[b]).astype(F32)[:, None], lanes, acc)
+    return hsum8(acc)
+
+
+def rowdot_q5_0(raw, xq, xd) -> np.ndarray:
+    acc = np.zeros((raw.shape[0], 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 22 * b:22 * b + 22]
+        qh = np.ascontiguousarray(blk[:, 2:6]).view(np.uint32)[:, 0]
+        high = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)
+        q = _nibbles(blk[:, 6:22]).astype(np.int64) + 16 * high - 16
+        lanes = _quads(q, xq[32 * b:32 * b + 32]).astype(F32)
+        acc = fma((_f16(blk, 0) * xd[b]).astype(F32)[:, None], lanes, acc)
+    return hsum8(acc)
+
+
+def _q6_k_values(blk: np.ndarray) -> np.ndarray:
+    """(rows, 256) unsigned 6-bit values of one Q6_K super-block."""
+    q = np.empty((blk.shape[0], 256), np.int64)
+    for h in range(2):
+        for t in range(4):
+            ql = blk[:, 64 * h + 32 * (t % 2):64 * h + 32 * (t % 2) + 32].astype(np.int64)
+            qh = blk[:, 128 + 32 * h:160 + 32 * h].astype(np.int64)
+            q[:, 128 * h + 32 * t:128 * h + 32 * t + 32] = ((ql >> (4 * (t // 2))) & 15) | (((qh >> (2 * t)) & 3) << 4)
+    return q
+
+
+def rowdot_q6_k(raw, xq, xd, xs) -> np.ndarray:
+    acc = np.zeros((raw.shape[0], 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 210 * b:210 * b + 210]
+        q = _q6_k_values(blk)
+        sc = blk[:, 192:208].view(np.int8).astype(np.int64)  # (rows, 16)
+        y = xq[256 * b:256 * b + 256].astype(np.int64)
+        lanes = np.zeros((raw.shape[0], 8), np.int64)
+        for c in range(8):  # 32-weight chunks; lane j: bytes 4j..4j+3, scale of its 16
+            prod = (q[:, 32 * c:32 * c + 32] * y[32 * c:32 * c + 32]).reshape(-1, 8, 4).sum(-1)
+            lanes += prod * np.repeat(sc[:, 2 * c:2 * c + 2], 4, axis=1)
+        bs = xs[16 * b:16 * b + 16].astype(np.int64)
+        lanes -= 32 * (sc[:, 0::2] * bs[0::2] + sc[:, 1::2] * bs[1::2])
+        d = (xd[b] * _f16(blk, 208)).astype(F32)
+        acc = fma(d[:, None], lanes.astype(F32), acc)
+    return hsum8(acc)
+
+
+def _q4_k_scales(blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, 8) 6-bit scales and mins of one Q4_K super-block."""
+    s = blk[:, 4:16].astype(np.int64)
+    sc = np.empty((blk.shape[0], 8), np.int64)
+    mn = np.empty_like(sc)
+    sc[:, :4], mn[:, :4] = s[:, 0:4] & 63, s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def rowdot_q4_k(raw, xq, xd, xs, per_pair: bool) -> np.ndarray:
+    """ggml's repacked Q4_K order: one fma per super-block (gemv) or per pair of 32-weight
+    sub-blocks (gemm, per_pair), for the scaled sums and, apart, for the mins."""
+    acc = np.zeros(raw.shape[0], F32)
+    acc_m = np.zeros(raw.shape[0], F32)
+    for b in range(xd.size):
+        blk = raw[:, 144 * b:144 * b + 144]
+        sc, mn = _q4_k_scales(blk)
+        d = (_f16(blk, 0) * xd[b]).astype(F32)
+        dmin = (_f16(blk, 2) * xd[b]).astype(F32)
+        y = xq[256 * b:256 * b + 256].astype(np.int64)
+        bs = xs[16 * b:16 * b + 16].astype(np.int64)
+        isum = np.zeros(raw.shape[0], np.int64)
+        msum = np.zeros(raw.shape[0], np.int64)
+        for c in range(4):
+            qs = blk[:, 16 + 32 * c:48 + 32 * c].astype(np.int64)
+            for k, q in enumerate((qs & 15, qs >> 4)):
+                sb = 2 * c + k
+                isum += sc[:, sb] * (q * y[64 * c + 32 * k:64 * c + 32 * k + 32]).sum(-1)
+                msum += mn[:, sb] * (bs[2 * sb] + bs[2 * sb + 1])
+            if per_pair:
+                acc, acc_m = fma(isum.astype(F32), d, acc), fma(msum.astype(F32), dmin, acc_m)
+                isum[:], msum[:] = 0, 0
+        if not per_pair:
+            acc, acc_m = fma(isum.astype(F32), d, acc), fma(msum.astype(F32), dmin, acc_m)
+    return (acc - acc_m).astype(F32)
+
+
+def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int) -> np.ndarray:
+    """k float16 / float32 (rows, n), q float32 (n,): ggml's vec_dot_f16 (n_acc 4) or tinyBLAS
+    (n_acc 1) order (see rowdot.dot_f16)."""
+    kf = k.astype(F32)
+    acc = np.zeros((k.shape[0], n_acc, 8), F32)
+    for c in range(k.shape[1] // 8):
+        g = c % n_acc
+        acc[:, g] = fma(kf[:, 8 * c:8 * c + 8], q[8 * c:8 * c + 8], acc[:, g])
+    if n_acc == 1:
+        return hsum8(acc[:, 0])
+    s = ((acc[:, 0] + acc[:, 2]).astype(F32) + (acc[:, 1] + acc[:, 3]).astype(F32)).astype(F32)
+    t = [(s[:, i] + s[:, i + 4]).astype(F32) for i in range(4)]
+    return ((t[0] + t[1]).astype(F32) + (t[2] + t[3]).astype(F32)).astype(F32)

@@ -1,0 +1,106 @@
+"""The kernels that sum in ggml's order return, bit for bit, what their NumPy references
+(kernels/cpu/reference.py) return: matvec, and matmul token by token (also across the four-token
+groups of the repacked Q4_K order). Outlier activations, as in the real models, make the order
+visible: a plain float sum differs from these results in the last bits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from edgellm.kernels import cpu
+from edgellm.kernels.cpu import reference as ref
+from edgellm.synthetic import quantize
+
+RNG = np.random.default_rng(7)
+
+
+def _weights(ggml_type, n_rows=24, n_cols=1024):
+    w = RNG.standard_normal((n_rows, n_cols)).astype(np.float32)
+    return np.ascontiguousarray(quantize(w, ggml_type))
+
+
+def _x(n_tok, n_cols=1024):
+    x = RNG.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, 5] *= 200.0  # an outlier channel, like SmolLM2's
+    return x
+
+
+def _reference(ggml_type, raw, x_row, per_pair=False):
+    fmt = cpu.activation_format(ggml_type)
+    xq, xd, xs, xm = cpu.quantize(fmt, x_row).parts
+    if ggml_type == T.Q4_1:
+        return ref.rowdot_q4_1(raw, xq, xd, xm)
+    if ggml_type == T.Q8_0:
+        return ref.rowdot_q8_0(raw, xq, xd)
+    if ggml_type == T.Q5_0:
+        return ref.rowdot_q5_0(raw, xq, xd)
+    if ggml_type == T.Q6_K:
+        return ref.rowdot_q6_k(raw, xq, xd, xs)
+    return ref.rowdot_q4_k(raw, xq, xd, xs, per_pair)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_K])
+def test_matvec_is_bit_exact_with_the_reference(ggml_type):
+    raw = _weights(ggml_type)
+    m = cpu.bind(ggml_type, raw, 1024)
+    x = _x(1)[0]
+    out = np.empty(raw.shape[0], np.float32)
+    m.matvec(x, out)
+    np.testing.assert_array_equal(out, _reference(ggml_type, raw, x))
+    # and the order matters: the float64 product of the same integers differs in the last bits
+    xr = cpu.requantize(cpu.activation_format(ggml_type), x[None])[0]
+    w = np.empty((raw.shape[0], 1024), np.float32)
+    m.dequantize(w)
+    assert not np.array_equal(out, (w.astype(np.float64) @ xr).astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_K])
+@pytest.mark.parametrize("n_tok", [2, 7])
+def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
+    raw = _weights(ggml_type)
+    m = cpu.bind(ggml_type, raw, 1024)
+    x = _x(n_tok)
+    out = np.empty((n_tok, raw.shape[0]), np.float32)
+    m.matmul(x, out)
+    n_gemm = n_tok - n_tok % 4  # Q4_K: llama.cpp's gemm takes four tokens at a time
+    for t in range(n_tok):
+        expect = _reference(ggml_type, raw, x[t], per_pair=t < n_gemm)
+        np.testing.assert_array_equal(out[t], expect, err_msg=f"token {t}")
+
+
+@pytest.mark.parametrize("n_acc", [1, 4])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_attention_dot_products_follow_ggml(n_acc, dtype):
+    """Attention over one key gives that key's value; over several, the output is the f16-rounded
+    softmax times V summed in the same lane order as the reference dot product."""
+    from edgellm.backend_cpu import CPUBackend
+
+    b = CPUBackend(threads=2)
+    n_kv, hd, used = 1, 64, 40
+    kv = b.kv_layer(64, n_kv, hd, hd, dtype)
+    k = RNG.standard_normal((used, n_kv, hd)).astype(np.float32)
+    v = RNG.standard_normal((used, n_kv, hd)).astype(np.float32)
+    b.kv_store(kv, k, v, np.arange(used))
+    q = RNG.standard_normal((1, 1, hd)).astype(np.float32) * 3
+    out = np.empty((1, hd), np.float32)
+    n_tok = 1 if n_acc == 4 else 2
+    qq = np.repeat(q, n_tok, axis=0)
+    pos = np.arange(used - n_tok, used) if n_tok == 2 else np.array([used - 1])
+    out = np.empty((n_tok, hd), np.float32)
+    b.attention(qq, kv, pos, 0.125, out)
+    # the reference: scores in the lane order, ggml's exp and float64 sum, probabilities rounded
+    kc = kv.k[:used, 0]
+    qr = q[0, 0].astype(dtype).astype(np.float32)
+    s = (ref.dot_f16(kc, qr, n_acc) * np.float32(0.125)).astype(np.float32)
+    from edgellm.backend_cpu import expf_ggml
+
+    e = expf_ggml(s - s.max())
+    pad = np.zeros((-len(e)) % 8, np.float32)
+    chunks = ref.hsum8(np.concatenate([e, pad]).reshape(-1, 8))
+    p = (e * np.float32(1.0 / chunks.astype(np.float64).sum())).astype(dtype).astype(np.float32)
+    vt = np.ascontiguousarray(kv.v[:used, 0].T)  # (hd, used): rows of V^T, as ggml multiplies them
+    pad_v = np.zeros((hd, (-used) % (8 * n_acc)), vt.dtype)
+    expect = ref.dot_f16(np.concatenate([vt, pad_v], 1), np.concatenate([p, np.zeros(pad_v.shape[1], np.float32)]),
+                         n_acc)
+    np.testing.assert_array_equal(out[-1], expect)
