@@ -56,10 +56,13 @@ def test_real_model_matches_llamacpp(name):
     path = model_path(name)
     assert meta["sha256"] == sha256(path), "the cached model file is not the one the fixtures were made from"
     model = edgellm.load(path, n_ctx=512, n_batch=512)
-    top1, kls, greedy_same = [], [], 0
+    top1, kls, greedy_same, max_diff = [], [], 0, 0.0
     for prompt, rec in zip(meta["prompts"], records):
         assert model.tokenize(prompt, add_special=True, parse_special=True) == rec["tokens"].tolist()
-        a, k = compare(model.logits(rec["tokens"]), rec)
+        logits = model.logits(rec["tokens"])
+        ours_top = np.take_along_axis(logits, rec["top_ids"].astype(np.int64), axis=1)
+        max_diff = max(max_diff, float(np.abs(ours_top - rec["top_logits"]).max()))
+        a, k = compare(logits, rec)
         top1.append(a)
         kls.append(k)
         n = len(rec["greedy"])
@@ -67,14 +70,16 @@ def test_real_model_matches_llamacpp(name):
         greedy_same += out == rec["greedy"].tolist()
     top1, kls = np.concatenate(top1), np.concatenate(kls)
     print(f"{name}: top-1 {top1.mean():.4f}, mean KL {kls.mean():.5f}, max KL {kls.max():.4f}, "
-          f"greedy identical {greedy_same}/{len(records)}")
-    # Decode steps match llama.cpp to ~1e-5 in logits (same activation quantization and, for the
-    # SmolLM2 types, the same float order); batched prefill sums in BLAS order, and these small
-    # models amplify that through their outlier activations into near-tie flips. The issue's
-    # target is top-1 >= 0.99 and greedy >= 4/5; these bounds are what the code holds today.
-    assert top1.mean() >= 0.98
+          f"greedy identical {greedy_same}/{len(records)}, max |logit diff| {max_diff:.2e}")
+    # Every product, attention sum, exp and rounding follows ggml's x86 code (kernels/cpu/rowdot.py):
+    # SmolLM2 Q4_1 comes out bit for bit; Gemma-3 is bit for bit in decode, and its Q6_K prompt
+    # products of 8+ tokens take a llama.cpp path whose order is not yet reproduced.
+    if name == "smollm2-135m":
+        assert max_diff == 0.0
+        assert greedy_same == len(records)
+    assert top1.mean() >= 0.99
     assert kls.mean() <= 0.01
-    assert greedy_same >= 2
+    assert greedy_same >= 4
 
 
 @pytest.mark.parametrize("arch, tname", make_oracle.SYNTHETIC)
