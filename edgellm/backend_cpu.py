@@ -226,6 +226,9 @@ class CPUBackend(NumpyBackend):
         super().__init__(threads)
         self._ops = None
         self._bound: dict[int, tuple] = {}  # id(QMatrix) -> (the QMatrix, kernels' bound Matrix)
+        self._fused: dict[int, object] = {}  # id(block weights) -> decode_block's arguments, or False
+        self._fused_ops = None
+        self._act_buffers = None
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product)."""
@@ -329,6 +332,63 @@ class CPUBackend(NumpyBackend):
                 s = qb @ k[h, lo:hi].T  # ((t1 - t0) * g, hi - lo)
                 ops.masked_softmax(s, bpos, g, kpos, kv.window, scale, vc[0, 0, 0])
                 out4[t0:t1, h] = (s @ v[h, lo:hi]).reshape(t1 - t0, g, hd_v)
+
+    def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu) -> bool:
+        """One token through block L (weights as Decoder loads them) in one kernel call
+        (kernels/cpu/fused.py), x (1, n_embd) updated in place, s the decoder's scratch. Returns
+        False, having done nothing, when the block needs the unfused ops: a weight type without a
+        row kernel there, or a cache the kernels cannot read natively."""
+        plan = self._fused.get(id(L))
+        if plan is None:
+            plan = self._fused[id(L)] = self._fused_plan(L, kv)
+        if plan is False:
+            return False
+        kc, vc = kv.kernel_arrays()
+        p = int(pos[-1])
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, p + 1)
+        used = max(kv.n_used, p % kv.size + 1)
+        n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
+        weights, norms, tids = plan
+        self.fused_ops.decode_block(
+            x, s.h, s.q.reshape(1, n_head, -1), s.k.reshape(1, n_kv, -1), s.v.reshape(1, n_kv, -1), s.a, s.o,
+            s.gate, s.up, *self._fused_activations(max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
+            *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, kv.size, used, kv.window,
+            F32(scale), gelu, gelu_f16_table())
+        kv.n_used = used
+        return True
+
+    def _fused_plan(self, L, kv):
+        ops = self.ops
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        mats = [getattr(L, n) for n in names]
+        kc, vc = kv.kernel_arrays()
+        fused = self.fused_ops
+        if not (ops.F16_NATIVE and kc.dtype == np.uint16 and kc.shape[2] % 8 == 0 and vc.shape[2] % 8 == 0
+                and all(isinstance(m, QMatrix) and m.ggml_type in fused.ROW_TYPES for m in mats)):
+            return False
+        weights = tuple(self._matrix(m).raw for m in mats)
+        norms = tuple(_NONE if a is None else a for a in (
+            L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
+            L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
+        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64)
+
+    def _fused_activations(self, n: int):
+        """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""
+        n = -(-n // 256) * 256
+        if self._act_buffers is None or self._act_buffers[0][0].size < n:
+            self._act_buffers = (
+                (np.empty(n, np.int8), np.empty(n // 32, F32), np.empty(n // 32, np.int32), np.empty(n // 32, F32)),
+                (np.empty(n, np.int8), np.empty(n // 256, F32), np.empty(n // 16, np.int32), np.empty(0, F32)))
+        return self._act_buffers
+
+    @property
+    def fused_ops(self):
+        if self._fused_ops is None:
+            self.ops
+            from edgellm.kernels.cpu import fused
+
+            self._fused_ops = fused
+        return self._fused_ops
 
     def qkv_attention(self, q, k, v, *, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox,
                       kv, pos, scale, out) -> None:

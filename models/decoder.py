@@ -90,6 +90,12 @@ class Decoder:
         n = x.shape[0]
         hd_k, hd_v, eps = cfg.head_dim_k, cfg.head_dim_v, cfg.rms_eps
         s = self.scratch(b, n)
+        base, scale = self.rope_params(il)
+        decode_block = getattr(b, "decode_block", None)
+        if n == 1 and decode_block is not None and decode_block(
+                L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale, neox=self.ROPE_NEOX,
+                scale=cfg.attn_scale, gelu=self.ACTIVATION == "gelu"):
+            return  # the backend ran the whole block in one fused call
         add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
         qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
         linear_many = getattr(b, "linear_many", None) or partial(_linear_many_by_ops, b)
@@ -99,7 +105,6 @@ class Decoder:
         # q, k, v projections
         linear_many((L.attn_q, L.attn_k, L.attn_v), s.h, (s.q, s.k, s.v))
         # (+ bias, per-head QK-norm, rotary position embedding), into the cache, attention over it
-        base, scale = self.rope_params(il)
         qkv_attention(s.q.reshape(n, cfg.n_head, hd_k), s.k.reshape(n, cfg.n_head_kv, hd_k),
                       s.v.reshape(n, cfg.n_head_kv, hd_v),
                       biases=(L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), q_norm=L.attn_q_norm,
