@@ -83,6 +83,22 @@ def test_prefill_equals_decode(synthetic, arch):
     np.testing.assert_allclose(last, batched[-1], rtol=1e-3, atol=1e-3 * np.abs(batched).max())
 
 
+class UnfusedCPU(CPUBackend):
+    decode_block = None  # the decoder then runs every op of a block on its own
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K])
+def test_fused_decode_block_is_the_unfused_ops_bit_for_bit(synthetic, arch, qtype):
+    path = synthetic(arch, qtype)
+    fused_backend = CPUBackend()
+    fused, plain = runtime(path, {"cpu": fused_backend}), runtime(path, {"cpu": UnfusedCPU()})
+    a = np.stack([fused.eval([t]) for t in TOKENS])
+    b = np.stack([plain.eval([t]) for t in TOKENS])
+    assert sum(p is not False for p in fused_backend._fused.values()) == SHAPE["n_layer"]  # it ran fused
+    np.testing.assert_array_equal(a, b)
+
+
 def test_sliding_window_ring_cache(synthetic):
     """gemma3 with a window of 8: the ring cache of window + n_batch slots must equal a full cache
     that masks by position."""

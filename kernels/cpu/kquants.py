@@ -27,9 +27,10 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q6_k, rowdot_q6_k
 
 QK_K = 256
+ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
 # Bytes per super-block, fields in memory order.
 Q2_K_BYTES = 16 + 64 + 2 + 2  # scales[16] (sc | min << 4) | qs[64] | d | dmin
 Q3_K_BYTES = 32 + 64 + 12 + 2  # hmask[32] | qs[64] | scales[12] | d
@@ -295,16 +296,21 @@ def matmul_q6_k(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
+    n4 = n_tok - n_tok % TILE
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(n_tok):
+        for t in range(0, n4, TILE):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q6_k(
+                    raw, U(r) * rb, xq, ut * nb * U(QK_K), nb * U(QK_K), xd, xs, ut * nb, nb, nb)
+        for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):
                 out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
-ROW_CHUNK = 16
 MATMUL = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q6_K: matmul_q6_k}
 
 

@@ -335,3 +335,136 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         return _hsum8(builder, acc)
 
     return sig, codegen
+
+
+# --- four tokens at a time ---------------------------------------------------------------------
+# The prompt products: a row's blocks are unpacked once and multiplied with four tokens' blocks,
+# each token keeping its own accumulators, so every (row, token) result is the one-token row dot
+# product above, bit for bit, at a fraction of the unpacking.
+TILE = 4
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22}
+
+
+def _legacy_weights(builder, wp, o, kind):
+    """(d, m or None, u8 / s8 weights <32 x i8>, signed?) of the legacy block at byte o."""
+    d0 = _load_half(builder, wp, o)
+    if kind == "q4_1":
+        m0 = _load_half(builder, wp, builder.add(o, ir.Constant(_I64, 2)))
+        return d0, m0, _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 4))), False
+    if kind == "q8_0":
+        return d0, None, _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 2)), _i8(32)), True
+    qh = _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 2)), ir.IntType(32))
+    nib = _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 6)))
+    high = builder.select(_bits_spread(builder, qh), ir.Constant(_i8(32), [0] * 32), ir.Constant(_i8(32), [0xF0] * 32))
+    return d0, None, builder.or_(nib, high), True
+
+
+def _legacy_tile(kind):
+    size = _BLOCK_BYTES[kind]
+
+    @intrinsic
+    def rowdot_tile(typingctx, w, w_off, xq, x_off, x_stride, xd, xm, b_off, b_stride, nb):
+        ret = types.UniTuple(types.float32, TILE)
+        sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xm, types.uint64, types.uint64, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            w_, w_off_, xq_, x_off_, x_stride_, xd_, xm_, b_off_, b_stride_, nb_ = args
+            wp = _ptr(context, builder, signature.args[0], w_)
+            xp = _ptr(context, builder, signature.args[2], xq_)
+            dp = _ptr(context, builder, signature.args[5], xd_)
+            mp = _ptr(context, builder, signature.args[6], xm_)
+            zero8, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
+            accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(TILE)]
+            sums = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
+            with cgutils.for_range(builder, nb_) as loop:
+                i = loop.index
+                o = builder.add(w_off_, builder.mul(i, ir.Constant(_I64, size)))
+                d0, m0, qx, signed = _legacy_weights(builder, wp, o, kind)
+                ax = _abs_sign(builder, qx, qx)[0] if signed else qx
+                for t in range(TILE):
+                    tt = ir.Constant(_I64, t)
+                    bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
+                    xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)),
+                                     builder.mul(i, ir.Constant(_I64, 32)))
+                    qy = _load_vec(builder, xp, xo, _i8(32))
+                    sy = _abs_sign(builder, qx, qy)[1] if signed else qy
+                    xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
+                    d1 = builder.load(builder.gep(dp, [bi]))
+                    acc = _fma(builder, _splat(builder, builder.fmul(d0, d1), _V8F), xy, builder.load(accs[t]))
+                    builder.store(acc, accs[t])
+                    if m0 is not None:
+                        s1 = builder.load(builder.gep(mp, [bi]))
+                        builder.store(_fma(builder, m0, s1, builder.load(sums[t])), sums[t])
+            results = []
+            for t in range(TILE):
+                r = _hsum8(builder, builder.load(accs[t]))
+                results.append(builder.fadd(r, builder.load(sums[t])) if kind == "q4_1" else r)
+            return context.make_tuple(builder, ret, results)
+
+        return sig, codegen
+
+    return rowdot_tile
+
+
+rowdot4_q4_1 = _legacy_tile("q4_1")
+rowdot4_q8_0 = _legacy_tile("q8_0")
+rowdot4_q5_0 = _legacy_tile("q5_0")
+
+
+@intrinsic
+def rowdot4_q6_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stride, nb):
+    """rowdot_q6_k for four tokens (x blocks at x_off + t * x_stride, scales / sums at
+    b_off + t * b_stride), each super-block unpacked once."""
+    ret = types.UniTuple(types.float32, TILE)
+    sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xs, types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, x_stride_, xd_, xs_, b_off_, b_stride_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[5], xd_)
+        sp = _ptr(context, builder, signature.args[6], xs_)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(TILE)]
+        with cgutils.for_range(builder, nb_) as loop:
+            i = loop.index
+            o = builder.add(w_off_, builder.mul(i, const(210)))
+            qs, scs = [], []
+            for h in range(2):
+                qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
+                for t in range(4):
+                    ql = _load_vec(builder, wp, builder.add(o, const(64 * h + 32 * (t % 2))), _i8(32))
+                    lo = builder.and_(builder.lshr(ql, ir.Constant(_i8(32), [4 * (t // 2)] * 32)),
+                                      ir.Constant(_i8(32), [15] * 32))
+                    hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [2 * t] * 32)),
+                                      ir.Constant(_i8(32), [3] * 32))
+                    qs.append(builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32))))
+            scs = [builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + k))])), ir.IntType(32))
+                   for k in range(16)]
+            dw = _load_half(builder, wp, builder.add(o, const(208)))
+            for tok in range(TILE):
+                tt = const(tok)
+                bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
+                xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)), builder.mul(i, const(256)))
+                sumi = ir.Constant(_i32(8), [0] * 8)
+                for c in range(8):
+                    y = _load_vec(builder, xp, builder.add(xo, const(32 * c)), _i8(32))
+                    sumi = builder.add(sumi, _scaled_quads(builder, qs[c], y, scs[2 * c], scs[2 * c + 1]))
+                s16 = builder.mul(bi, const(16))
+                offs = ir.Constant(_i32(8), [0] * 8)
+                for lane in range(8):
+                    a = builder.mul(scs[2 * lane], builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane))])))
+                    b = builder.mul(scs[2 * lane + 1],
+                                    builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane + 1))])))
+                    pair = builder.shl(builder.add(a, b), ir.Constant(ir.IntType(32), 5))
+                    offs = builder.insert_element(offs, pair, ir.Constant(ir.IntType(32), lane))
+                sumi = builder.sub(sumi, offs)
+                d = builder.fmul(builder.load(builder.gep(dp, [bi])), dw)
+                acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), builder.load(accs[tok]))
+                builder.store(acc, accs[tok])
+        return context.make_tuple(builder, ret, [_hsum8(builder, builder.load(a)) for a in accs])
+
+    return sig, codegen
