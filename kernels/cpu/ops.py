@@ -127,6 +127,23 @@ def silu_mul(gate, up, out):
 
 
 @njit(cache=True, nogil=True)
+def gelu_mul(gate, up, table, out):
+    """out = gelu(gate) * up, float32 (rows, n), as ggml's GEGLU: the f16 GELU table at gate
+    rounded to f16 for -10 < gate < 10, 0 below, gate itself above."""
+    rows, n = gate.shape
+    for r in range(rows):
+        for i in range(n):
+            g = gate[r, i]
+            if g <= F32(-10.0):
+                y = F32(0.0)
+            elif g >= F32(10.0):
+                y = g
+            else:
+                y = table[U(_store(g, np.uint16(0)))]
+            out[r, i] = y * up[r, i]
+
+
+@njit(cache=True, nogil=True)
 def rope(x, cos, sin, pos, n_rot, neox):
     """In place on x float32 (n_tok, n_head, hd); cos, sin float32 (n_pos, n_rot/2) tables indexed
     by position. neox pairs (i, i + n_rot/2), else (2i, 2i + 1). Each pair rotates as ggml's
