@@ -37,10 +37,19 @@ def _reference(ggml_type, raw, x_row, per_pair=False):
         return ref.rowdot_q5_0(raw, xq, xd)
     if ggml_type == T.Q6_K:
         return ref.rowdot_q6_k(raw, xq, xd, xs)
+    if ggml_type == T.Q5_1:
+        return ref.rowdot_q5_1(raw, xq, xd, xm)
+    if ggml_type == T.Q4_0:
+        return ref.rowdot_q4_0(raw, xq, xd, xs)
+    if ggml_type == T.Q5_K:
+        return ref.rowdot_q5_k(raw, xq, xd, xs)
     return ref.rowdot_q4_k(raw, xq, xd, xs, per_pair)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_K])
+EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", EXACT_TYPES)
 def test_matvec_is_bit_exact_with_the_reference(ggml_type):
     raw = _weights(ggml_type)
     m = cpu.bind(ggml_type, raw, 1024)
@@ -55,7 +64,7 @@ def test_matvec_is_bit_exact_with_the_reference(ggml_type):
     assert not np.array_equal(out, (w.astype(np.float64) @ xr).astype(np.float32))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_K])
+@pytest.mark.parametrize("ggml_type", EXACT_TYPES)
 @pytest.mark.parametrize("n_tok", [2, 7])
 def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
     raw = _weights(ggml_type)

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q6_k, rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q6_k, rowdot_q5_k, rowdot_q6_k
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -298,31 +298,25 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
                 out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q5_k(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        acc_m = F32(0.0)
-        for i in range(U(xd.size)):
-            o, x0, g0 = i * U(Q5_K_BYTES), i * U(QK_K), i * U(16)
-            isum = I32(0)
-            msum = I32(0)
-            for c in range(U(4)):
-                q0 = o + U(48) + U(32) * c
-                sc0, m0 = _scale_min(row, o + U(4), c + c)
-                sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
-                xo = x0 + U(64) * c
-                # 5th bits: bit 2c of qh[l] for sub-block 2c, bit 2c + 1 for 2c + 1
-                isum += dot32_field(row, q0, I32(0), I32(15), xq, xo, sc0, sc0) \
-                    + I32(16) * dot32_field(row, o + U(16), I32(2 * c), I32(1), xq, xo, sc0, sc0) \
-                    + dot32_field(row, q0, I32(4), I32(15), xq, xo + U(32), sc1, sc1) \
-                    + I32(16) * dot32_field(row, o + U(16), I32(2 * c + 1), I32(1), xq, xo + U(32), sc1, sc1)
-                k = g0 + U(4) * c
-                msum += m0 * (xs[k] + xs[k + U(1)]) + m1 * (xs[k + U(2)] + xs[k + U(3)])
-            acc += (load_f16(row, o) * xd[i]) * F32(isum)
-            acc_m += (load_f16(row, o + U(2)) * xd[i]) * F32(msum)
-        out[r] = acc - acc_m
+        out[r] = rowdot_q5_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
+
+
+@njit(**JIT)
+def matmul_q5_k(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q5_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
 @njit(**JIT)
@@ -352,7 +346,7 @@ def matmul_q6_k(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
-MATMUL = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q6_K: matmul_q6_k}
+MATMUL = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q5_K: matmul_q5_k, GGMLType.Q6_K: matmul_q6_k}
 
 
 KERNELS = {

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot4_q4_1, rowdot4_q5_0, rowdot4_q8_0, rowdot_q4_1, rowdot_q5_0,
-                                        rowdot_q8_0)
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4,
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_0, rowdot4_q5_1, rowdot4_q8_0,
+                                        rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4, fma32,
                                         dot32_q5, f16_to_f32, load_f16, njit, prange)
 
 # Bytes per block, as the sum of its fields.
@@ -114,16 +114,25 @@ def dequantize_q8_0(raw, out, lanes):
 # weights' integers with xq, then llama.cpp's float terms: d_w * xd[b] * s for Q4_0 / Q5_0 / Q8_0
 # (q - 8 and q - 16 folded in as s - 8 * xs[b]), and for Q4_1 / Q5_1 also m_w * xm[b] (the fp16
 # s of Q8_1), summed separately and added at the end.
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(fastmath=FAST_IN_ORDER, inline="always")
+def _row_q4_0(row, xq, xd, xs, t, nb):
+    """Row times token t's x in the order of ggml's x86 kernels for Q4_0 rows repacked 8 at a
+    time (llama.cpp's layout when the row count is a multiple of 8): per block the exact integer
+    sum of (q - 8) x, then acc = fma(isum, d_w * d_x, acc)."""
+    acc = F32(0.0)
+    for j in range(nb):
+        b = t * nb + j
+        o = j * U(Q4_0_BYTES)
+        s = dot32_q4(row, o + U(2), xq, b * U(32)) - I32(8) * xs[b]
+        acc = fma32(F32(s), load_f16(row, o) * xd[b], acc)
+    return acc
+
+
+@njit(**JIT)
 def matvec_q4_0(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for b in range(U(xd.size)):
-            o = b * U(Q4_0_BYTES)
-            s = dot32_q4(row, o + U(2), xq, b * U(32)) - I32(8) * xs[b]
-            acc += (load_f16(row, o) * xd[b]) * F32(s)
-        out[r] = acc
+        out[r] = _row_q4_0(raw[r], xq, xd, xs, U(0), nb)
 
 
 @njit(**JIT)
@@ -140,18 +149,11 @@ def matvec_q5_0(raw, xq, xd, xs, xm, out):
         out[r] = rowdot_q5_0(raw[r], U(0), xq, U(0), xd, U(0), nb)
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q5_1(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        acc_m = F32(0.0)
-        for b in range(U(xd.size)):
-            o = b * U(Q5_1_BYTES)
-            s = dot32_q5(row, o + U(8), np.uint32(_u32(row, o + U(4))), xq, b * U(32))
-            acc += (load_f16(row, o) * xd[b]) * F32(s)
-            acc_m += load_f16(row, o + U(2)) * xm[b]
-        out[r] = acc + acc_m
+        out[r] = rowdot1_q5_1(raw[r], U(0), xq, U(0), U(0), xd, xm, U(0), U(0), nb)
 
 
 @njit(**JIT)
@@ -229,7 +231,40 @@ def matmul_q5_0(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), xd, ut * nb, nb)
 
 
-MATMUL = {GGMLType.Q4_1: matmul_q4_1, GGMLType.Q5_0: matmul_q5_0, GGMLType.Q8_0: matmul_q8_0}
+@njit(**JIT)
+def matmul_q5_1(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    n4 = n_tok - n_tok % TILE
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(0, n4, TILE):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q5_1(
+                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xm, ut * nb, nb, nb)
+        for t in range(n4, n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot1_q5_1(raw, U(r) * rb, xq, ut * nb * U(32), U(0), xd, xm, ut * nb, U(0), nb)
+
+
+@njit(**JIT)
+def matmul_q4_0(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
+
+
+MATMUL = {GGMLType.Q4_0: matmul_q4_0, GGMLType.Q4_1: matmul_q4_1, GGMLType.Q5_0: matmul_q5_0,
+          GGMLType.Q5_1: matmul_q5_1, GGMLType.Q8_0: matmul_q8_0}
 
 
 KERNELS = {

@@ -153,3 +153,51 @@ def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int) -> np.ndarray:
     s = ((acc[:, 0] + acc[:, 2]).astype(F32) + (acc[:, 1] + acc[:, 3]).astype(F32)).astype(F32)
     t = [(s[:, i] + s[:, i + 4]).astype(F32) for i in range(4)]
     return ((t[0] + t[1]).astype(F32) + (t[2] + t[3]).astype(F32)).astype(F32)
+
+
+def rowdot_q5_1(raw, xq, xd, xm) -> np.ndarray:
+    """As rowdot_q4_1, the 5th bit of each weight adding 16."""
+    acc = np.zeros((raw.shape[0], 8), F32)
+    summs = np.zeros(raw.shape[0], F32)
+    for b in range(xd.size):
+        blk = raw[:, 24 * b:24 * b + 24]
+        qh = np.ascontiguousarray(blk[:, 4:8]).view(np.uint32)[:, 0]
+        high = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)
+        q = _nibbles(blk[:, 8:24]).astype(np.int64) + 16 * high
+        summs = fma(_f16(blk, 2), xm[b], summs)
+        acc = fma((_f16(blk, 0) * xd[b]).astype(F32)[:, None], _quads(q, xq[32 * b:32 * b + 32]).astype(F32), acc)
+    return (hsum8(acc) + summs).astype(F32)
+
+
+def rowdot_q4_0(raw, xq, xd, xs) -> np.ndarray:
+    """ggml's repacked Q4_0 order: per block acc = fma(sum((q - 8) x), d_w * d_x, acc)."""
+    acc = np.zeros(raw.shape[0], F32)
+    for b in range(xd.size):
+        blk = raw[:, 18 * b:18 * b + 18]
+        q = _nibbles(blk[:, 2:18]).astype(np.int64) - 8
+        isum = (q * xq[32 * b:32 * b + 32]).sum(-1)
+        acc = fma(isum.astype(F32), (_f16(blk, 0) * xd[b]).astype(F32), acc)
+    return acc
+
+
+def rowdot_q5_k(raw, xq, xd, xs) -> np.ndarray:
+    """ggml's x86 vec_dot_q5_K: eight lanes of scaled integer sums per super-block into an 8-lane
+    fma accumulator; the mins in one scalar fma chain with -d_x * dmin_w."""
+    acc = np.zeros((raw.shape[0], 8), F32)
+    summs = np.zeros(raw.shape[0], F32)
+    for b in range(xd.size):
+        blk = raw[:, 176 * b:176 * b + 176]
+        sc, mn = _q4_k_scales(blk)
+        qh = blk[:, 16:48].astype(np.int64)
+        y = xq[256 * b:256 * b + 256].astype(np.int64)
+        bs = xs[16 * b:16 * b + 16].astype(np.int64)
+        lanes = np.zeros((raw.shape[0], 8), np.int64)
+        msum = np.zeros(raw.shape[0], np.int64)
+        for s in range(8):
+            qs = blk[:, 48 + 32 * (s // 2):80 + 32 * (s // 2)].astype(np.int64)
+            q = ((qs >> (4 * (s % 2))) & 15) | (((qh >> s) & 1) << 4)
+            lanes += sc[:, s:s + 1] * (q * y[32 * s:32 * s + 32]).reshape(-1, 8, 4).sum(-1)
+            msum += mn[:, s] * (bs[2 * s] + bs[2 * s + 1])
+        acc = fma((xd[b] * _f16(blk, 0)).astype(F32)[:, None], lanes.astype(F32), acc)
+        summs = fma((-xd[b] * _f16(blk, 2)).astype(F32), msum.astype(F32), summs)
+    return (hsum8(acc) + summs).astype(F32)

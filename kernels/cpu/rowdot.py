@@ -342,29 +342,39 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
 # each token keeping its own accumulators, so every (row, token) result is the one-token row dot
 # product above, bit for bit, at a fraction of the unpacking.
 TILE = 4
-_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22}
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24}
 
 
 def _legacy_weights(builder, wp, o, kind):
-    """(d, m or None, u8 / s8 weights <32 x i8>, signed?) of the legacy block at byte o."""
+    """(d, m or None, weights <32 x i8>, signed?) of the legacy block at byte o: unsigned q for
+    Q4_1 / Q5_1 (multiplied as u8 x s8), signed q for Q8_0 and Q5_0 (q - 16, as ggml builds it)."""
     d0 = _load_half(builder, wp, o)
     if kind == "q4_1":
         m0 = _load_half(builder, wp, builder.add(o, ir.Constant(_I64, 2)))
         return d0, m0, _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 4))), False
     if kind == "q8_0":
         return d0, None, _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 2)), _i8(32)), True
+    if kind == "q5_1":  # d, m, qh, qs: the 5th bit adds 16
+        m0 = _load_half(builder, wp, builder.add(o, ir.Constant(_I64, 2)))
+        qh = _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 4)), ir.IntType(32))
+        nib = _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 8)))
+        high = builder.select(_bits_spread(builder, qh), ir.Constant(_i8(32), [16] * 32), ir.Constant(_i8(32), [0] * 32))
+        return d0, m0, builder.or_(nib, high), False
     qh = _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 2)), ir.IntType(32))
     nib = _nibbles(builder, wp, builder.add(o, ir.Constant(_I64, 6)))
     high = builder.select(_bits_spread(builder, qh), ir.Constant(_i8(32), [0] * 32), ir.Constant(_i8(32), [0xF0] * 32))
     return d0, None, builder.or_(nib, high), True
 
 
-def _legacy_tile(kind):
+def _legacy_tile(kind, n_tok=TILE):
+    """A legacy-type row dot product for n_tok tokens at once (a float32 for one token, else a
+    tuple): xq block i of token t at x_off + t * x_stride + 32 i, its scale / Q8_1 sum at
+    b_off + t * b_stride + i."""
     size = _BLOCK_BYTES[kind]
 
     @intrinsic
     def rowdot_tile(typingctx, w, w_off, xq, x_off, x_stride, xd, xm, b_off, b_stride, nb):
-        ret = types.UniTuple(types.float32, TILE)
+        ret = types.UniTuple(types.float32, n_tok) if n_tok > 1 else types.float32
         sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xm, types.uint64, types.uint64, types.uint64)
 
         def codegen(context, builder, signature, args):
@@ -374,14 +384,14 @@ def _legacy_tile(kind):
             dp = _ptr(context, builder, signature.args[5], xd_)
             mp = _ptr(context, builder, signature.args[6], xm_)
             zero8, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
-            accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(TILE)]
-            sums = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
+            accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(n_tok)]
+            sums = [cgutils.alloca_once_value(builder, zero) for _ in range(n_tok)]
             with cgutils.for_range(builder, nb_) as loop:
                 i = loop.index
                 o = builder.add(w_off_, builder.mul(i, ir.Constant(_I64, size)))
                 d0, m0, qx, signed = _legacy_weights(builder, wp, o, kind)
                 ax = _abs_sign(builder, qx, qx)[0] if signed else qx
-                for t in range(TILE):
+                for t in range(n_tok):
                     tt = ir.Constant(_I64, t)
                     bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
                     xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)),
@@ -396,10 +406,10 @@ def _legacy_tile(kind):
                         s1 = builder.load(builder.gep(mp, [bi]))
                         builder.store(_fma(builder, m0, s1, builder.load(sums[t])), sums[t])
             results = []
-            for t in range(TILE):
+            for t in range(n_tok):
                 r = _hsum8(builder, builder.load(accs[t]))
-                results.append(builder.fadd(r, builder.load(sums[t])) if kind == "q4_1" else r)
-            return context.make_tuple(builder, ret, results)
+                results.append(builder.fadd(r, builder.load(sums[t])) if kind in ("q4_1", "q5_1") else r)
+            return context.make_tuple(builder, ret, results) if n_tok > 1 else results[0]
 
         return sig, codegen
 
@@ -409,6 +419,8 @@ def _legacy_tile(kind):
 rowdot4_q4_1 = _legacy_tile("q4_1")
 rowdot4_q8_0 = _legacy_tile("q8_0")
 rowdot4_q5_0 = _legacy_tile("q5_0")
+rowdot4_q5_1 = _legacy_tile("q5_1")
+rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token; (x_stride, b_stride unused)
 
 
 @intrinsic
@@ -466,5 +478,71 @@ def rowdot4_q6_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stri
                 acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), builder.load(accs[tok]))
                 builder.store(acc, accs[tok])
         return context.make_tuple(builder, ret, [_hsum8(builder, builder.load(a)) for a in accs])
+
+    return sig, codegen
+
+
+def _k_scale_min(builder, wp, o, b):
+    """(scale, min) as int32 of sub-block b (0..7) of a Q4_K / Q5_K super-block whose 12 packed
+    6-bit scale bytes start at byte o."""
+    def byte(k):
+        return builder.zext(builder.load(builder.gep(wp, [builder.add(o, ir.Constant(_I64, k))])), ir.IntType(32))
+
+    def c(v):
+        return ir.Constant(ir.IntType(32), v)
+
+    if b < 4:
+        return builder.and_(byte(b), c(63)), builder.and_(byte(b + 4), c(63))
+    sc = builder.or_(builder.and_(byte(b + 4), c(15)), builder.shl(builder.lshr(byte(b - 4), c(6)), c(4)))
+    mn = builder.or_(builder.lshr(byte(b + 4), c(4)), builder.shl(builder.lshr(byte(b), c(6)), c(4)))
+    return sc, mn
+
+
+@intrinsic
+def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
+    """float32: a Q5_K row (176-byte super-blocks: d, dmin, scales[12], qh[32], qs[128]) times x in
+    Q8_K form, in ggml's x86 order: per super-block eight int32 lanes (lane j: weights 4j..4j+3 of
+    every 32, times their sub-block's scale), acc = fma(d_x * d_w, lanes, acc); the mins apart,
+    summs = fma(-d_x * dmin_w, sum of min * (x sums), summs); result hsum_float_8(acc) + summs."""
+    sig = types.float32(w, types.uint64, xq, types.uint64, xd, xs, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, xd_, xs_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[4], xd_)
+        sp = _ptr(context, builder, signature.args[5], xs_)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        def body(i, acc, summs):
+            o = builder.add(w_off_, builder.mul(i, const(176)))
+            xo = builder.add(x_off_, builder.mul(i, const(256)))
+            bi = builder.add(b_off_, i)
+            s16 = builder.mul(bi, const(16))
+            qh = _load_vec(builder, wp, builder.add(o, const(16)), _i8(32))
+            sumi = ir.Constant(_i32(8), [0] * 8)
+            msum = ir.Constant(ir.IntType(32), 0)
+            for b in range(8):
+                qs = _load_vec(builder, wp, builder.add(o, const(48 + 32 * (b // 2))), _i8(32))
+                lo = builder.and_(builder.lshr(qs, ir.Constant(_i8(32), [4 * (b % 2)] * 32)), ir.Constant(_i8(32), [15] * 32))
+                hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [b] * 32)), ir.Constant(_i8(32), [1] * 32))
+                q = builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32)))
+                y = _load_vec(builder, xp, builder.add(xo, const(32 * b)), _i8(32))
+                sc, mn = _k_scale_min(builder, wp, builder.add(o, const(4)), b)
+                sumi = builder.add(sumi, _scaled_quads(builder, q, y, sc, sc))
+                bs = builder.add(builder.load(builder.gep(sp, [builder.add(s16, const(2 * b))])),
+                                 builder.load(builder.gep(sp, [builder.add(s16, const(2 * b + 1))])))
+                msum = builder.add(msum, builder.mul(mn, bs))
+            dx = builder.load(builder.gep(dp, [bi]))
+            d = builder.fmul(dx, _load_half(builder, wp, o))
+            dmin = builder.fmul(builder.fneg(dx), _load_half(builder, wp, builder.add(o, const(2))))
+            acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)
+            summs = _fma(builder, dmin, builder.sitofp(msum, _F32), summs)
+            return acc, summs
+
+        acc, summs = _block_loop(context, builder, nb_, body)
+        return builder.fadd(_hsum8(builder, acc), summs)
 
     return sig, codegen
