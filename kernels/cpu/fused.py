@@ -34,26 +34,41 @@ def _is_k(tid):
     return tid == Q4_K or tid == Q5_K or tid == Q6_K
 
 
-@njit(inline="always")
-def _row(tid, w, r, a32, ak, n_in):
-    """Row r of weight matrix w (type id tid) times x of n_in values, given in both activation
-    forms (buffers at least that long)."""
+CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
+
+
+@njit(cache=True, nogil=True)
+def _rows(tid, w, c, out, a32, ak, n_in):
+    """Rows [c * CHUNK, (c + 1) * CHUNK) of w (clipped) into out: one compiled copy of each type's
+    row kernel, called from every parallel loop of decode_block (the type test once per chunk)."""
+    r0 = c * CHUNK
+    r1 = min(r0 + CHUNK, w.shape[0])
     rb = U(w.shape[1])
+    n32, nk = U(n_in // 32), U(n_in // 256)
     if tid == Q4_1:
-        return rowdot_q4_1(w, U(r) * rb, a32[0], U(0), a32[1], a32[3], U(0), U(n_in // 32))
-    if tid == Q5_0:
-        return rowdot_q5_0(w, U(r) * rb, a32[0], U(0), a32[1], U(0), U(n_in // 32))
-    if tid == Q8_0:
-        return rowdot_q8_0(w, U(r) * rb, a32[0], U(0), a32[1], U(0), U(n_in // 32))
-    if tid == Q4_0:
-        return _row_q4_0(w[r], a32[0], a32[1], a32[2], U(0), U(n_in // 32))
-    if tid == Q5_1:
-        return rowdot1_q5_1(w, U(r) * rb, a32[0], U(0), U(0), a32[1], a32[3], U(0), U(0), U(n_in // 32))
-    if tid == Q5_K:
-        return rowdot_q5_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), U(n_in // 256))
-    if tid == Q6_K:
-        return rowdot_q6_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), U(n_in // 256))
-    return _row_q4_k(w[r], ak[0], ak[1], ak[2], U(0), U(n_in // 256), False)
+        for r in range(r0, r1):
+            out[r] = rowdot_q4_1(w, U(r) * rb, a32[0], U(0), a32[1], a32[3], U(0), n32)
+    elif tid == Q5_0:
+        for r in range(r0, r1):
+            out[r] = rowdot_q5_0(w, U(r) * rb, a32[0], U(0), a32[1], U(0), n32)
+    elif tid == Q8_0:
+        for r in range(r0, r1):
+            out[r] = rowdot_q8_0(w, U(r) * rb, a32[0], U(0), a32[1], U(0), n32)
+    elif tid == Q4_0:
+        for r in range(r0, r1):
+            out[r] = _row_q4_0(w[r], a32[0], a32[1], a32[2], U(0), n32)
+    elif tid == Q5_1:
+        for r in range(r0, r1):
+            out[r] = rowdot1_q5_1(w, U(r) * rb, a32[0], U(0), U(0), a32[1], a32[3], U(0), U(0), n32)
+    elif tid == Q5_K:
+        for r in range(r0, r1):
+            out[r] = rowdot_q5_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), nk)
+    elif tid == Q6_K:
+        for r in range(r0, r1):
+            out[r] = rowdot_q6_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), nk)
+    else:  # Q4_K
+        for r in range(r0, r1):
+            out[r] = _row_q4_k(w[r], ak[0], ak[1], ak[2], U(0), nk, False)
 
 
 @njit(cache=True, nogil=True)
@@ -84,14 +99,14 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     _quantize(h[0], a32, ak, need32, needk)
     n_in_qkv = n_embd
     qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
-    nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
-    for r in prange(nq + nk + nv):
-        if r < nq:
-            qf[r] = _row(tids[0], wq, r, a32, ak, n_in_qkv)
-        elif r < nq + nk:
-            kf[r - nq] = _row(tids[1], wk, r - nq, a32, ak, n_in_qkv)
+    cq, ck, cv = (wq.shape[0] + CHUNK - 1) // CHUNK, (wk.shape[0] + CHUNK - 1) // CHUNK, (wv.shape[0] + CHUNK - 1) // CHUNK
+    for c in prange(cq + ck + cv):
+        if c < cq:
+            _rows(tids[0], wq, c, qf, a32, ak, n_in_qkv)
+        elif c < cq + ck:
+            _rows(tids[1], wk, c - cq, kf, a32, ak, n_in_qkv)
         else:
-            vf[r - nq - nk] = _row(tids[2], wv, r - nq - nk, a32, ak, n_in_qkv)
+            _rows(tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv)
     prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size)
     attend_ggml(q, kc, vc, kpos, used, pos, window, scale, 4, att)
     # output projection, residual, ffn norm
@@ -99,8 +114,8 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     _quantize(att[0], a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
     n_in_o = n_att
     of = o.reshape(-1)
-    for r in prange(wo.shape[0]):
-        of[r] = _row(tids[3], wo, r, a32, ak, n_in_o)
+    for c in prange((wo.shape[0] + CHUNK - 1) // CHUNK):
+        _rows(tids[3], wo, c, of, a32, ak, n_in_o)
     add_rms_norm(x, o, post_attn_norm, ffn_norm, eps, h)
     # gated FFN
     need32 = not (_is_k(tids[4]) and _is_k(tids[5]))
@@ -108,12 +123,12 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     _quantize(h[0], a32, ak, need32, needk)
     n_in_ffn = n_embd
     gf, uf = gate.reshape(-1), up.reshape(-1)
-    ng, nu = wg.shape[0], wu.shape[0]
-    for r in prange(ng + nu):
-        if r < ng:
-            gf[r] = _row(tids[4], wg, r, a32, ak, n_in_ffn)
+    cg, cu = (wg.shape[0] + CHUNK - 1) // CHUNK, (wu.shape[0] + CHUNK - 1) // CHUNK
+    for c in prange(cg + cu):
+        if c < cg:
+            _rows(tids[4], wg, c, gf, a32, ak, n_in_ffn)
         else:
-            uf[r - ng] = _row(tids[5], wu, r - ng, a32, ak, n_in_ffn)
+            _rows(tids[5], wu, c - cg, uf, a32, ak, n_in_ffn)
     n_ff = gf.size
     n8 = n_ff // 8 * 8
     for i in range(n_ff):
@@ -131,7 +146,7 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
             gf[i] = g / (F32(1.0) + e) * uf[i]
     _quantize(gf, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
     n_in_down = n_ff
-    for r in prange(wd.shape[0]):
-        of[r] = _row(tids[6], wd, r, a32, ak, n_in_down)
+    for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
+        _rows(tids[6], wd, c, of, a32, ak, n_in_down)
     add_rms_norm(x, o, post_ffw_norm, post_ffw_norm[:0], eps, x)
 
