@@ -28,7 +28,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgellm.kernels.cpu.common import U, expf_ggml, fma32  # noqa: E402
-from edgellm.kernels.cpu.rowdot import dot_f16  # noqa: E402
+from edgellm.kernels.cpu.rowdot import axpy_f16, dot_f16  # noqa: E402
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -415,10 +415,7 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out):
             if s[j] == F32(0.0):
                 continue
             pj = _load(_store(s[j] * inv, z))
-            vb = (U(j) * unkv + kh) * uhdv
-            ab = (U(j) % n_lanes) * uhdv
-            for d in range(uhdv):
-                accv[ab + d] = fma32(_load(vf[vb + d]), pj, accv[ab + d])
+            axpy_f16(vf, (U(j) * unkv + kh) * uhdv, pj, accv, (U(j) % n_lanes) * uhdv, uhdv)
         ob = U(h) * uhdv
         for d in range(uhdv):
             for li in range(n_lanes):

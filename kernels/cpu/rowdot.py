@@ -546,3 +546,30 @@ def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         return builder.fadd(_hsum8(builder, acc), summs)
 
     return sig, codegen
+
+
+@intrinsic
+def axpy_f16(typingctx, v, v_off, p, acc, acc_off, n):
+    """acc[acc_off + d] = fma(float(v[v_off + d]), p, acc[acc_off + d]) for d < n (a multiple of
+    8): v float16 bits (uint16) or float32, p float32, acc float32; explicit 8-wide vectors."""
+    half = v.dtype == types.uint16
+    sig = types.void(v, types.uint64, types.float32, acc, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        v_, v_off_, p_, acc_, acc_off_, n_ = args
+        vp = _ptr(context, builder, signature.args[0], v_)
+        ap = _ptr(context, builder, signature.args[3], acc_)
+        pv = _splat(builder, p_, _V8F)
+        steps = builder.udiv(n_, ir.Constant(_I64, 8))
+        with cgutils.for_range(builder, steps) as loop:
+            o = builder.mul(loop.index, ir.Constant(_I64, 8))
+            if half:
+                raw = _load_vec(builder, vp, builder.add(v_off_, o), ir.VectorType(ir.IntType(16), 8))
+                vf = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), _V8F)
+            else:
+                vf = _load_vec(builder, vp, builder.add(v_off_, o), _V8F)
+            aptr = builder.bitcast(builder.gep(ap, [builder.add(acc_off_, o)]), _V8F.as_pointer())
+            builder.store(_fma(builder, vf, pv, builder.load(aptr, align=4)), aptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
