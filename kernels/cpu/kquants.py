@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q6_k, rowdot_q5_k, rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q5_k, rowdot_q6_k
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -237,44 +237,6 @@ def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
     return acc - acc_m
 
 
-@njit(fastmath=FAST_IN_ORDER, inline="always")
-def _row4_q4_k(row, xq, xd, xs, t0, nb):
-    """_row_q4_k(per_pair=True) for tokens t0 .. t0+3, the scales of each super-block decoded once."""
-    a0 = a1 = a2 = a3 = F32(0.0)
-    m0_ = m1_ = m2_ = m3_ = F32(0.0)
-    for j in range(nb):
-        o = j * U(Q4_K_BYTES)
-        dw = load_f16(row, o)
-        dmw = load_f16(row, o + U(2))
-        i0 = t0 * nb + j
-        for c in range(U(4)):
-            q0 = o + U(16) + U(32) * c
-            sc0, mn0 = _scale_min(row, o + U(4), c + c)
-            sc1, mn1 = _scale_min(row, o + U(4), c + c + U(1))
-            for tt in range(U(4)):
-                i = i0 + tt * nb
-                x0 = i * U(QK_K) + U(64) * c
-                isum = dot32_field(row, q0, I32(0), I32(15), xq, x0, sc0, sc0) \
-                    + dot32_field(row, q0, I32(4), I32(15), xq, x0 + U(32), sc1, sc1)
-                k = i * U(16) + U(4) * c
-                msum = mn0 * (xs[k] + xs[k + U(1)]) + mn1 * (xs[k + U(2)] + xs[k + U(3)])
-                d = dw * xd[i]
-                dmin = dmw * xd[i]
-                if tt == 0:
-                    a0 = fma32(F32(isum), d, a0)
-                    m0_ = fma32(F32(msum), dmin, m0_)
-                elif tt == 1:
-                    a1 = fma32(F32(isum), d, a1)
-                    m1_ = fma32(F32(msum), dmin, m1_)
-                elif tt == 2:
-                    a2 = fma32(F32(isum), d, a2)
-                    m2_ = fma32(F32(msum), dmin, m2_)
-                else:
-                    a3 = fma32(F32(isum), d, a3)
-                    m3_ = fma32(F32(msum), dmin, m3_)
-    return a0 - m0_, a1 - m1_, a2 - m2_, a3 - m3_
-
-
 @njit(**JIT)
 def matvec_q4_k(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
@@ -287,12 +249,15 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
+    rb = U(raw.shape[1])
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
         for t in range(0, n_gemm, 4):
+            ut = U(t)
             for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = _row4_q4_k(raw[r], xq, xd, xs, U(t), nb)
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_k(
+                    raw, U(r) * rb, xq, ut * nb * U(QK_K), nb * U(QK_K), xd, xs, ut * nb, nb, nb)
         for t in range(n_gemm, n_tok):
             for r in range(r0, r1):
                 out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)

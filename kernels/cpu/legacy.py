@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_0, rowdot4_q5_1, rowdot4_q8_0,
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4, fma32,
                                         dot32_q5, f16_to_f32, load_f16, njit, prange)
@@ -216,16 +216,16 @@ def matmul_q5_0(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
-    n4 = n_tok - n_tok % TILE
+    n8 = n_tok - n_tok % 8
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(0, n4, TILE):
+        for t in range(0, n8, 8):
             ut = U(t)
             for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q5_0(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xd, ut * nb, nb, nb)
-        for t in range(n4, n_tok):
+                (out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r], out[t + 4, r], out[t + 5, r], out[t + 6, r],
+                 out[t + 7, r]) = rowdot8_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xd, ut * nb, nb, nb)
+        for t in range(n8, n_tok):
             ut = U(t)
             for r in range(r0, r1):
                 out[t, r] = rowdot_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), xd, ut * nb, nb)

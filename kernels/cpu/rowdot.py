@@ -418,8 +418,8 @@ def _legacy_tile(kind, n_tok=TILE):
 
 rowdot4_q4_1 = _legacy_tile("q4_1")
 rowdot4_q8_0 = _legacy_tile("q8_0")
-rowdot4_q5_0 = _legacy_tile("q5_0")
 rowdot4_q5_1 = _legacy_tile("q5_1")
+rowdot8_q5_0 = _legacy_tile("q5_0", 8)
 rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token; (x_stride, b_stride unused)
 
 
@@ -571,5 +571,71 @@ def axpy_f16(typingctx, v, v_off, p, acc, acc_off, n):
             aptr = builder.bitcast(builder.gep(ap, [builder.add(acc_off_, o)]), _V8F.as_pointer())
             builder.store(_fma(builder, vf, pv, builder.load(aptr, align=4)), aptr, align=4)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def rowdot4_q4_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stride, nb):
+    """Four tokens of a Q4_K row (144-byte super-blocks: d, dmin, scales[12], qs[128]) in the order
+    of ggml's repacked four-token kernel (gemm): per pair of 32-weight sub-blocks the exact integer
+    sums of sc * q * x and of min * (x sums), acc = fma(isum, d_w * d_x, acc) and acc_m likewise
+    with dmin; result acc - acc_m. The super-block is unpacked once for the four tokens."""
+    ret = types.UniTuple(types.float32, TILE)
+    sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xs, types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, x_stride_, xd_, xs_, b_off_, b_stride_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[5], xd_)
+        sp = _ptr(context, builder, signature.args[6], xs_)
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        zero = ir.Constant(_F32, 0.0)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
+        accms = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
+        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [_i32(8)])
+        with cgutils.for_range(builder, nb_) as loop:
+            i = loop.index
+            o = builder.add(w_off_, builder.mul(i, const(144)))
+            dw = _load_half(builder, wp, o)
+            dmw = _load_half(builder, wp, builder.add(o, const(2)))
+            scm = [_k_scale_min(builder, wp, builder.add(o, const(4)), b) for b in range(8)]
+            nib = []
+            for c in range(4):
+                raw = _load_vec(builder, wp, builder.add(o, const(16 + 32 * c)), _i8(32))
+                nib.append((builder.and_(raw, ir.Constant(_i8(32), [15] * 32)),
+                            builder.lshr(raw, ir.Constant(_i8(32), [4] * 32))))
+            for tok in range(TILE):
+                tt = const(tok)
+                bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
+                xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)), builder.mul(i, const(256)))
+                dx = builder.load(builder.gep(dp, [bi]))
+                d = builder.fmul(dw, dx)
+                dmin = builder.fmul(dmw, dx)
+                s16 = builder.mul(bi, const(16))
+                acc, accm = builder.load(accs[tok]), builder.load(accms[tok])
+                for c in range(4):
+                    y0 = _load_vec(builder, xp, builder.add(xo, const(64 * c)), _i8(32))
+                    y1 = _load_vec(builder, xp, builder.add(xo, const(64 * c + 32)), _i8(32))
+                    lanes = builder.add(_scaled_quads(builder, nib[c][0], y0, scm[2 * c][0], scm[2 * c][0]),
+                                        _scaled_quads(builder, nib[c][1], y1, scm[2 * c + 1][0], scm[2 * c + 1][0]))
+                    isum = builder.call(reduce, [lanes])
+
+                    def bsum(k):
+                        return builder.load(builder.gep(sp, [builder.add(s16, const(k))]))
+
+                    msum = builder.add(builder.mul(scm[2 * c][1], builder.add(bsum(4 * c), bsum(4 * c + 1))),
+                                       builder.mul(scm[2 * c + 1][1], builder.add(bsum(4 * c + 2), bsum(4 * c + 3))))
+                    acc = _fma(builder, builder.sitofp(isum, _F32), d, acc)
+                    accm = _fma(builder, builder.sitofp(msum, _F32), dmin, accm)
+                builder.store(acc, accs[tok])
+                builder.store(accm, accms[tok])
+        results = [builder.fsub(builder.load(a), builder.load(m)) for a, m in zip(accs, accms)]
+        return context.make_tuple(builder, ret, results)
 
     return sig, codegen
