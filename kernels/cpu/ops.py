@@ -39,6 +39,7 @@ NEG_INF = F32(-np.inf)
 DOT_MATH = {"reassoc", "contract"}
 # a head attends in parallel (one thread per head) when it reads this many cache elements or more
 PARALLEL_ATTN_ELEMENTS = 1 << 16
+ATTN_CHUNKS = 64  # attend_ggml: parallel chunks of (token, head) pairs (scratch allocated per chunk)
 
 
 def _f16_native() -> bool:
@@ -375,52 +376,58 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out):
     n_pad = (used + 7) // 8 * 8
     uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
     lane_groups = U(n_acc)  # accumulators of 8 lanes: element i goes to group (i / 8) % n_acc
-    for th in prange(n_tok * n_head):
-        t = th // n_head
-        h = th - t * n_head
-        kh = U(h // g)
-        p = pos[t]
+    n_lanes = lane_groups * U(8)
+    n_pairs = n_tok * n_head
+    n_chunks = min(n_pairs, ATTN_CHUNKS)
+    # (token, head) pairs in interleaved chunks (a causal batch's late tokens cost more), with the
+    # scratch allocated once per chunk
+    for chunk in prange(n_chunks):
         qr = np.empty(hd, F32)
-        for d in range(hd):
-            qr[d] = _load(_store(q[t, h, d], z))
         acc = np.empty(32, F32)
         s = np.empty(n_pad, F32)
-        m = NEG_INF
-        for j in range(used):
-            kp = kpos[j]
-            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+        accv = np.empty(n_lanes * uhdv, F32)
+        for th in range(chunk, n_pairs, n_chunks):
+            t = th // n_head
+            h = th - t * n_head
+            kh = U(h // g)
+            p = pos[t]
+            for d in range(hd):
+                qr[d] = _load(_store(q[t, h, d], z))
+            m = NEG_INF
+            for j in range(used):
+                kp = kpos[j]
+                if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                    s[j] = NEG_INF
+                    continue
+                base = (U(j) * unkv + kh) * uhd
+                if n_acc == 4:
+                    v = dot_f16(kf, base, qr, U(0), uhd, 4) * scale
+                else:
+                    v = dot_f16(kf, base, qr, U(0), uhd, 1) * scale
+                s[j] = v
+                if v > m:
+                    m = v
+            for j in range(used, n_pad):
                 s[j] = NEG_INF
-                continue
-            base = (U(j) * unkv + kh) * uhd
-            if n_acc == 4:
-                v = dot_f16(kf, base, qr, U(0), uhd, 4) * scale
-            else:
-                v = dot_f16(kf, base, qr, U(0), uhd, 1) * scale
-            s[j] = v
-            if v > m:
-                m = v
-        for j in range(used, n_pad):
-            s[j] = NEG_INF
-        total = 0.0
-        for c in range(0, n_pad, 8):
-            for i in range(8):
-                e = expf_ggml(s[c + i] - m) if s[c + i] != NEG_INF else F32(0.0)
-                acc[i] = e
-                s[c + i] = e
-            total += np.float64(_lanes_reduce(acc, 1))
-        inv = F32(1.0 / total)
-        n_lanes = lane_groups * U(8)
-        accv = np.zeros(n_lanes * uhdv, F32)
-        for j in range(used):
-            if s[j] == F32(0.0):
-                continue
-            pj = _load(_store(s[j] * inv, z))
-            axpy_f16(vf, (U(j) * unkv + kh) * uhdv, pj, accv, (U(j) % n_lanes) * uhdv, uhdv)
-        ob = U(h) * uhdv
-        for d in range(uhdv):
-            for li in range(n_lanes):
-                acc[li] = accv[li * uhdv + d]
-            out[t, ob + d] = _lanes_reduce(acc, n_acc)
+            total = 0.0
+            for c in range(0, n_pad, 8):
+                for i in range(8):
+                    e = expf_ggml(s[c + i] - m) if s[c + i] != NEG_INF else F32(0.0)
+                    acc[i] = e
+                    s[c + i] = e
+                total += np.float64(_lanes_reduce(acc, 1))
+            inv = F32(1.0 / total)
+            accv[:] = 0.0
+            for j in range(used):
+                if s[j] == F32(0.0):
+                    continue
+                pj = _load(_store(s[j] * inv, z))
+                axpy_f16(vf, (U(j) * unkv + kh) * uhdv, pj, accv, (U(j) % n_lanes) * uhdv, uhdv)
+            ob = U(h) * uhdv
+            for d in range(uhdv):
+                for li in range(n_lanes):
+                    acc[li] = accv[li * uhdv + d]
+                out[t, ob + d] = _lanes_reduce(acc, n_acc)
 
 
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
