@@ -43,10 +43,12 @@ def _reference(ggml_type, raw, x_row, per_pair=False):
         return ref.rowdot_q4_0(raw, xq, xd, xs)
     if ggml_type == T.Q5_K:
         return ref.rowdot_q5_k(raw, xq, xd, xs)
+    if ggml_type == T.Q2_K:
+        return ref.rowdot_q2_k(raw, xq, xd, xs)
     return ref.rowdot_q4_k(raw, xq, xd, xs, per_pair)
 
 
-EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("ggml_type", EXACT_TYPES)

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q5_k, rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q2_k, rowdot_q5_k, rowdot_q6_k
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -157,27 +157,25 @@ def dequantize_q6_k(raw, out, lanes):
 # scale * dot(q, xq) (groups of 16 or 32), and for the types with mins one integer sum of
 # min * (sums of xq), then llama.cpp's float terms d_w * xd[i] * isum and dmin_w * xd[i] * msum
 # (the min terms summed separately and subtracted at the end).
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q2_k(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        acc_m = F32(0.0)
-        for i in range(U(xd.size)):
-            o, x0, g0 = i * U(Q2_K_BYTES), i * U(QK_K), i * U(16)
-            isum = I32(0)
-            msum = I32(0)
-            for g in range(U(16)):
-                msum += (I32(row[o + g]) >> I32(4)) * xs[g0 + g]
-            for c in range(U(2)):
-                for s in range(U(4)):
-                    g = U(8) * c + U(2) * s
-                    isum += dot32_field(row, o + U(16) + U(32) * c, I32(2 * s), I32(3), xq,
-                                        x0 + U(128) * c + U(32) * s,
-                                        I32(row[o + g]) & I32(15), I32(row[o + g + U(1)]) & I32(15))
-            acc += (load_f16(row, o + U(80)) * xd[i]) * F32(isum)
-            acc_m += (load_f16(row, o + U(82)) * xd[i]) * F32(msum)
-        out[r] = acc - acc_m
+        out[r] = rowdot_q2_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
+
+
+@njit(**JIT)
+def matmul_q2_k(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q2_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
 @njit(fastmath=FAST_IN_ORDER, **JIT)
@@ -311,7 +309,7 @@ def matmul_q6_k(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
-MATMUL = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q5_K: matmul_q5_k, GGMLType.Q6_K: matmul_q6_k}
+MATMUL = {GGMLType.Q2_K: matmul_q2_k, GGMLType.Q4_K: matmul_q4_k, GGMLType.Q5_K: matmul_q5_k, GGMLType.Q6_K: matmul_q6_k}
 
 
 KERNELS = {

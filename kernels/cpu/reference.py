@@ -201,3 +201,27 @@ def rowdot_q5_k(raw, xq, xd, xs) -> np.ndarray:
         acc = fma((xd[b] * _f16(blk, 0)).astype(F32)[:, None], lanes.astype(F32), acc)
         summs = fma((-xd[b] * _f16(blk, 2)).astype(F32), msum.astype(F32), summs)
     return (hsum8(acc) + summs).astype(F32)
+
+
+def rowdot_q2_k(raw, xq, xd, xs) -> np.ndarray:
+    """ggml's x86 vec_dot_q2_K: per super-block the mins' lanes (min * x sums of groups 2k, 2k+1)
+    with -d_x * dmin_w, then the scaled integer lanes with d_x * d_w, into one 8-lane accumulator."""
+    acc = np.zeros((raw.shape[0], 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 84 * b:84 * b + 84]
+        sc = (blk[:, 0:16] & 15).astype(np.int64)
+        mn = (blk[:, 0:16] >> 4).astype(np.int64)
+        bs = xs[16 * b:16 * b + 16].astype(np.int64)
+        y = xq[256 * b:256 * b + 256].astype(np.int64)
+        mins = mn[:, 0::2] * bs[0::2] + mn[:, 1::2] * bs[1::2]
+        acc = fma((-xd[b] * _f16(blk, 82)).astype(F32)[:, None], mins.astype(F32), acc)
+        lanes = np.zeros((raw.shape[0], 8), np.int64)
+        for j in range(2):
+            bits = blk[:, 16 + 32 * j:48 + 32 * j].astype(np.int64)
+            for k in range(4):
+                q = (bits >> (2 * k)) & 3
+                prod = (q * y[128 * j + 32 * k:128 * j + 32 * k + 32]).reshape(-1, 8, 4).sum(-1)
+                g = 8 * j + 2 * k
+                lanes += prod * np.repeat(sc[:, g:g + 2], 4, axis=1)
+        acc = fma((xd[b] * _f16(blk, 80)).astype(F32)[:, None], lanes.astype(F32), acc)
+    return hsum8(acc)

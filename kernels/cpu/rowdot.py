@@ -639,3 +639,58 @@ def rowdot4_q4_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stri
         return context.make_tuple(builder, ret, results)
 
     return sig, codegen
+
+
+@intrinsic
+def rowdot_q2_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
+    """float32: a Q2_K row (84-byte super-blocks: scales[16] (sc | min << 4), qs[64], d, dmin)
+    times x in Q8_K form, in ggml's x86 order: per super-block first
+    acc = fma(-d_x * dmin_w, lanes of min * (x sums), acc) (lane k: groups 2k and 2k+1), then
+    acc = fma(d_x * d_w, lanes of sc * q * x, acc) (lane j: weights 4j..4j+3 of every 32); the
+    result hsum_float_8(acc)."""
+    sig = types.float32(w, types.uint64, xq, types.uint64, xd, xs, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, xd_, xs_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[4], xd_)
+        sp = _ptr(context, builder, signature.args[5], xs_)
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        def body(i, acc, s):
+            o = builder.add(w_off_, builder.mul(i, const(84)))
+            xo = builder.add(x_off_, builder.mul(i, const(256)))
+            bi = builder.add(b_off_, i)
+            s16 = builder.mul(bi, const(16))
+            scb = [builder.zext(builder.load(builder.gep(wp, [builder.add(o, const(k))])), i32) for k in range(16)]
+            sc = [builder.and_(b, ir.Constant(i32, 15)) for b in scb]
+            mn = [builder.lshr(b, ir.Constant(i32, 4)) for b in scb]
+            mins = ir.Constant(_i32(8), [0] * 8)
+            for lane in range(8):
+                v = builder.add(builder.mul(mn[2 * lane], builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane))]))),
+                                builder.mul(mn[2 * lane + 1],
+                                            builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane + 1))]))))
+                mins = builder.insert_element(mins, v, ir.Constant(i32, lane))
+            dx = builder.load(builder.gep(dp, [bi]))
+            d = builder.fmul(dx, _load_half(builder, wp, builder.add(o, const(80))))
+            dmin = builder.fmul(builder.fneg(dx), _load_half(builder, wp, builder.add(o, const(82))))
+            acc = _fma(builder, _splat(builder, dmin, _V8F), builder.sitofp(mins, _V8F), acc)
+            sumi = ir.Constant(_i32(8), [0] * 8)
+            for j in range(2):
+                bits = _load_vec(builder, wp, builder.add(o, const(16 + 32 * j)), _i8(32))
+                for k in range(4):
+                    q = builder.and_(builder.lshr(bits, ir.Constant(_i8(32), [2 * k] * 32)), ir.Constant(_i8(32), [3] * 32))
+                    y = _load_vec(builder, xp, builder.add(xo, const(128 * j + 32 * k)), _i8(32))
+                    g = 8 * j + 2 * k
+                    sumi = builder.add(sumi, _scaled_quads(builder, q, y, sc[g], sc[g + 1]))
+            acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)
+            return acc, s
+
+        acc, _ = _block_loop(context, builder, nb_, body)
+        return _hsum8(builder, acc)
+
+    return sig, codegen
