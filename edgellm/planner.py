@@ -33,11 +33,14 @@ KV_TYPE_BYTES = {"f16": 2, "f32": 4}
 # of CuPy's memory pool. 512 MiB covers that range; it is charged only when the GPU holds a layer.
 # Not yet measured on this project's GPU machine: scripts/gpu_check.sh is where to measure it.
 GPU_RUNTIME_BYTES = 512 * MiB
-# CPU runtime, measured: RSS of a fresh `python -c "import numpy, numba"` is 92 MiB; after the first
-# parallel Numba function is compiled (LLVM and the threading layer loaded) it is 155 MiB
-# (Python 3.11, numpy 2, numba 0.6x). Whole-model peak RSS minus every other term (the tokenizer's
-# below included) came out 147 MiB for SmolLM2 and 153 MiB for Gemma-3 (tests/test_ledger.py).
-CPU_RUNTIME_BYTES = 152 * MiB
+# CPU runtime, measured: RSS of a fresh `python -c "import numpy, numba"` is 90-157 MiB, the
+# difference being how many pages of the shared libraries (libllvmlite.so alone 36-95 MiB) the
+# kernel maps for the process, which depends on the page cache (a fresh install: all of them).
+# The ledger charges the libraries fully resident (CPU_LIBRARY_BYTES: sum of the RSS of the .so
+# mappings after a whole-model run in a fresh venv, 136 MiB) plus the interpreter's own memory
+# beyond them (whole-model peak RSS minus every other term, 57 MiB for SmolLM2 and for Gemma-3).
+CPU_LIBRARY_BYTES = 136 * MiB
+CPU_RUNTIME_BYTES = 57 * MiB + CPU_LIBRARY_BYTES
 # The vocabulary as Python objects (metadata arrays, token <-> id tables, BPE merge ranks), measured
 # as RSS growth: SmolLM2 (49,152 tokens, 48,900 merges) 30 MiB, Gemma-3 (262,144 tokens) 66 MiB.
 TOKENIZER_BYTES_PER_TOKEN = 264

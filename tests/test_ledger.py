@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
+from edgellm.planner import CPU_LIBRARY_BYTES
+
 WORKER = r"""
 import json, resource, sys
 import numpy as np
+import psutil
 import edgellm
 path, n_ctx, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = edgellm.load(path, n_ctx=n_ctx, n_batch=n_batch)
@@ -20,7 +23,8 @@ m.logits(rng.integers(10, m.n_vocab - 10, size=n_batch))
 for t in rng.integers(10, 1000, size=8):
     m.eval([int(t)])
 p = m.plan.cpu
-print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+libs = sum(x.rss for x in psutil.Process().memory_maps() if ".so" in x.path.rsplit("/", 1)[-1])
+print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "libs": libs,
                   "total": p.total, "margin": p.margin, "kv": p.kv_cache, "weights": p.weights,
                   "measured": m.memory()["cpu"]}))
 """
@@ -45,8 +49,12 @@ def test_cpu_estimate_within_5_percent_of_peak_rss(name):
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     d = min(runs[1:], key=lambda run: run["peak_rss"])
     estimate = d["total"] - d["margin"]
-    print(f"{name}: estimate {estimate / 2**20:.0f} MiB, peak RSS {d['peak_rss'] / 2**20:.0f} MiB")
-    assert abs(estimate / d["peak_rss"] - 1) <= 0.05
+    # the shared libraries' resident pages depend on the page cache (36-95 MiB for libllvmlite.so
+    # alone between two venvs of the same packages); the ledger charges them fully resident
+    peak = d["peak_rss"] - d["libs"] + CPU_LIBRARY_BYTES
+    print(f"{name}: estimate {estimate / 2**20:.0f} MiB, peak RSS {d['peak_rss'] / 2**20:.0f} MiB "
+          f"(libraries {d['libs'] / 2**20:.0f} MiB resident; {peak / 2**20:.0f} MiB with them all resident)")
+    assert abs(estimate / peak - 1) <= 0.05
     assert d["peak_rss"] <= d["total"]  # the margin covers what the terms miss
     # weights and KV cache: what the runtime holds is what the ledger charged, to the byte
     assert d["measured"]["weights"] == d["weights"] and d["measured"]["kv_cache"] == d["kv"]
