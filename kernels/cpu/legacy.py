@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_i8, dot32_q4, fma32,
-                                        dot32_q5, f16_to_f32, load_f16, njit, prange)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
+                                        njit, prange)
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]

@@ -109,7 +109,6 @@ def _block_loop(context, builder, nb, body):
     return builder.load(acc_ptr), builder.load(s_ptr)
 
 
-_ROWDOT_ARGS = (types.uint64, types.uint64)
 
 
 @intrinsic
