@@ -16,3 +16,10 @@ def gemma3_path():
     from edgellm.fetch import model_path
 
     return model_path("gemma3-270m")
+
+
+def pytest_collection_modifyitems(items):
+    """The memory-ledger tests run first. Later in a full session their SmolLM2 worker processes
+    (fresh subprocesses, own kernel cache) peaked ~175 MiB higher than alone or early in a session,
+    in two clean-clone CI runs; cause not found yet (see the ledger test). Other tests keep their order."""
+    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_ledger.py") else 1)
