@@ -34,11 +34,6 @@ numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
-# Dot products and V sums may be reassociated (vectorized); inf / nan handling stays IEEE because
-# masked scores are -inf.
-DOT_MATH = {"reassoc", "contract"}
-# a head attends in parallel (one thread per head) when it reads this many cache elements or more
-PARALLEL_ATTN_ELEMENTS = 1 << 16
 ATTN_CHUNKS = 64  # attend_ggml: parallel chunks of (token, head) pairs (scratch allocated per chunk)
 
 
@@ -230,94 +225,6 @@ def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, 
 
 
 # --- attention -----------------------------------------------------------------------------
-def _attend_rows(q, kc, vc, kpos, used, pos, window, scale, out):
-    """Causal / sliding-window attention of q float32 (n_tok, n_head, hd) over cache slots
-    [0, used) of kc (size, n_kv, hd), vc (size, n_kv, hd_v) (uint16 f16 bits or float32);
-    out float32 (n_tok, n_head * hd_v). A slot is visible to a query at position p when
-    0 <= kpos <= p and p - kpos < window (window 0: no limit). One (token, head) per iteration;
-    the cache is read through flat views with unsigned offsets so the inner loops vectorize."""
-    n_tok, n_head, hd = q.shape
-    n_kv = kc.shape[1]
-    hdv = vc.shape[2]
-    g = n_head // n_kv
-    z = kc[0, 0, 0]
-    kf = kc.reshape(-1)
-    vf = vc.reshape(-1)
-    uhd = np.uint64(hd)
-    uhdv = np.uint64(hdv)
-    for th in prange(n_tok * n_head):
-        t = th // n_head
-        h = th - t * n_head
-        kh = h // g
-        p = pos[t]
-        qr = np.empty(hd, F32)  # q rounded to the cache type, as ggml converts it for the K product
-        for d in range(hd):
-            qr[d] = _load(_store(q[t, h, d], z))
-        s = np.empty(used, F32)
-        m = NEG_INF
-        for j in range(used):
-            kp = kpos[j]
-            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
-                s[j] = NEG_INF
-                continue
-            base = np.uint64(j * n_kv + kh) * uhd
-            acc = F32(0.0)
-            for d in range(uhd):
-                acc += _load(kf[base + d]) * qr[d]
-            acc *= scale
-            s[j] = acc
-            if acc > m:
-                m = acc
-        total = F32(0.0)
-        for j in range(used):
-            e = np.exp(s[j] - m) if s[j] != NEG_INF else F32(0.0)
-            s[j] = e
-            total += e
-        o = np.zeros(hdv, F32)
-        for j in range(used):
-            # ggml hands the f32 probabilities to the f16 V product: they are rounded to f16 first
-            pj = _load(_store(s[j] / total, z))
-            if pj != 0.0:
-                base = np.uint64(j * n_kv + kh) * uhdv
-                for d in range(uhdv):
-                    o[d] += pj * _load(vf[base + d])
-        ob = h * hdv
-        for d in range(hdv):
-            out[t, ob + d] = o[d]
-
-
-attend = njit(cache=True, nogil=True, fastmath=DOT_MATH)(_attend_rows)
-attend_parallel = njit(cache=True, nogil=True, fastmath=DOT_MATH, parallel=True)(_attend_rows)
-
-
-@njit(cache=True, nogil=True)
-def masked_softmax(s, qpos, g, kpos, window, scale, like):
-    """In place on scores s float32 (n_q * g, n_k) (row r is a query at position qpos[r // g]):
-    s = softmax(s * scale) over the keys visible to the row (kpos (n_k,) as in `attend`), each
-    probability then rounded to the V cache's element type (`like`: a cache element), as ggml
-    converts them for the P V product."""
-    rows, n_k = s.shape
-    for r in range(rows):
-        p = qpos[r // g]
-        m = NEG_INF
-        for j in range(n_k):
-            kp = kpos[j]
-            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
-                s[r, j] = NEG_INF
-            else:
-                v = s[r, j] * scale
-                s[r, j] = v
-                if v > m:
-                    m = v
-        total = F32(0.0)
-        for j in range(n_k):
-            e = np.exp(s[r, j] - m) if s[r, j] != NEG_INF else F32(0.0)
-            s[r, j] = e
-            total += e
-        for j in range(n_k):
-            s[r, j] = _load(_store(s[r, j] / total, like))
-
-
 @njit(cache=True, nogil=True, parallel=True)
 def cache_to_f32(c, out):
     """out float32 (n_kv, used, hd) = cache slots [0, used) of c (size, n_kv, hd), head-major."""

@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import AVX2, _abs_sign, _fn, _i8, _i16, _i32, _splat
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -67,18 +67,6 @@ def _quad_sums(builder, u8, s8):
     parts = [builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), [4 * j + k for j in range(8)]))
              for k in range(4)]
     return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
-
-
-def _abs_sign(builder, w, x):
-    """(|w| as u8, x * sign(w)): the u8 x s8 form of an s8 x s8 product, as ggml makes it."""
-    if AVX2:
-        sign = _fn(builder, "llvm.x86.avx2.psign.b", _i8(32), [_i8(32), _i8(32)])
-        return builder.call(sign, [w, w]), builder.call(sign, [x, w])
-    zero = ir.Constant(_i8(32), [0] * 32)
-    neg = builder.icmp_signed("<", w, zero)
-    pos = builder.icmp_signed(">", w, zero)
-    return (builder.select(neg, builder.sub(zero, w), w),
-            builder.select(neg, builder.sub(zero, x), builder.select(pos, x, zero)))
 
 
 def _nibbles(builder, base, offset):
