@@ -177,7 +177,12 @@ class NumpyBackend:
         kpos = kv.pos[:used]
         qh = q.astype(kv.k.dtype).astype(F32).reshape(n_tok, n_kv, g, hd).transpose(1, 0, 2, 3)
         qh = qh.reshape(n_kv, n_tok * g, hd)
-        s = np.matmul(qh, k.transpose(1, 2, 0))  # (n_kv, n_tok*g, T)
+        # scores summed in ggml's lane order (vec_dot_f16 for one token, tinyBLAS for a batch), so
+        # that the probabilities round to f16 as the kernel's do
+        from edgellm.kernels.cpu.reference import dot_f16
+
+        n_acc = 4 if n_tok == 1 and hd % 32 == 0 else 1
+        s = np.stack([np.stack([dot_f16(k[:, h], row, n_acc) for row in qh[h]]) for h in range(n_kv)])
         s *= F32(scale)
         visible = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None])  # (n_tok, T)
         if kv.window:
@@ -186,7 +191,7 @@ class NumpyBackend:
         s = np.where(visible[None], s, F32(-np.inf))
         s -= s.max(axis=-1, keepdims=True)
         s = expf_ggml(s)
-        s *= (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)  # ggml: float64 sum
+        s *= (1.0 / _softmax_total(s)).astype(F32)
         s = s.astype(kv.v.dtype).astype(F32)  # ggml rounds P to the V cache type for the P V product
         o = np.matmul(s, v.transpose(1, 0, 2))  # (n_kv, n_tok*g, hd_v)
         hd_v = v.shape[-1]
@@ -214,13 +219,6 @@ class CPUBackend(NumpyBackend):
     """The CPU backend: the NumpyBackend ops as Numba kernels (kernels/cpu/ops.py), plus two fused
     ops the decoder uses when a backend has them (`qkv_attention`, `add_rms_norm`), so a decode
     step of a layer is a handful of kernel calls instead of ~20 NumPy ones."""
-
-    # a batch of this many tokens or more attends with BLAS products per KV head; fewer loop in Numba
-    BLAS_ATTENTION_TOKENS = 16
-    # queries per BLAS attention block: bounds the score buffer, and (no ring wrap) skips the keys
-    # that no query of the block may see
-    QUERY_BLOCK = 128
-    GGML_ORDER = True
 
     def __init__(self, threads: int | None = None):
         super().__init__(threads)
@@ -291,49 +289,9 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
-        if self.GGML_ORDER:
-            n_acc = 4 if q.shape[0] == 1 else 1
-            self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), n_acc, out)
-            return
-        if q.shape[0] >= self.BLAS_ATTENTION_TOKENS:
-            self._attention_blas(q, kc, vc, kv, pos, F32(scale), out)
-            return
-        used = kv.n_used
-        heavy = used * q.shape[1] * q.shape[2] >= self.ops.PARALLEL_ATTN_ELEMENTS
-        attend = self.ops.attend_parallel if heavy else self.ops.attend
-        attend(q, kc, vc, kv.pos, used, pos, kv.window, F32(scale), out)
-
-    def _attention_blas(self, q, kc, vc, kv, pos, scale, out) -> None:
-        """Attention of a batch: per KV head and block of queries, scores = Q K^T (BLAS), masked
-        softmax (Numba), out = P V (BLAS). The cache is converted to float32 once per call."""
-        ops = self.ops
-        n_tok, n_head, hd = q.shape
-        used, n_kv, hd_v = kv.n_used, kc.shape[1], vc.shape[2]
-        g = n_head // n_kv
-        k = np.empty((n_kv, used, hd), F32)
-        v = np.empty((n_kv, used, hd_v), F32)
-        ops.cache_to_f32(kc[:used], k)
-        ops.cache_to_f32(vc[:used], v)
-        qr = np.empty_like(q)
-        ops.round_to_cache(q, kc, qr)
-        qh = qr.reshape(n_tok, n_kv, g, hd).transpose(1, 0, 2, 3)  # (n_kv, n_tok, g, hd)
-        out4 = out.reshape(n_tok, n_kv, g, hd_v)
-        # slot j holds position j until the ring wraps: then a block needs only slots [lo, hi)
-        in_order = int(kv.pos[:used].max()) < kv.size
-        for t0 in range(0, n_tok, self.QUERY_BLOCK):
-            t1 = min(n_tok, t0 + self.QUERY_BLOCK)
-            bpos = pos[t0:t1]
-            lo, hi = 0, used
-            if in_order:
-                hi = min(used, int(bpos.max()) + 1)
-                if kv.window:
-                    lo = max(0, int(bpos.min()) - kv.window + 1)
-            kpos = kv.pos[lo:hi]
-            for h in range(n_kv):
-                qb = np.ascontiguousarray(qh[h, t0:t1]).reshape((t1 - t0) * g, hd)
-                s = qb @ k[h, lo:hi].T  # ((t1 - t0) * g, hi - lo)
-                ops.masked_softmax(s, bpos, g, kpos, kv.window, scale, vc[0, 0, 0])
-                out4[t0:t1, h] = (s @ v[h, lo:hi]).reshape(t1 - t0, g, hd_v)
+        # ggml's order: vec_dot_f16's four accumulators for one token, tinyBLAS's one for a batch
+        n_acc = 4 if q.shape[0] == 1 else 1
+        self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), n_acc, out)
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu) -> bool:
         """One token through block L (weights as Decoder loads them) in one kernel call
@@ -429,6 +387,19 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
 
 
 _NONE = np.empty(0, dtype=F32)  # "no weight" / "no bias" for the kernels (read-only use)
+
+
+def _softmax_total(e: np.ndarray) -> np.ndarray:
+    """float64 (..., 1): sum over the last axis as ggml's softmax takes it: chunks of 8 summed in
+    float32 in hsum_float_8's order ((4+0) + (6+2)) + ((5+1) + (7+3)), the chunks added in float64."""
+    pad = (-e.shape[-1]) % 8
+    c = np.concatenate([e, np.zeros(e.shape[:-1] + (pad,), F32)], axis=-1).reshape(*e.shape[:-1], -1, 8)
+    r = [(c[..., i + 4] + c[..., i]).astype(F32) for i in range(4)]
+    chunks = ((r[0] + r[2]).astype(F32) + (r[1] + r[3]).astype(F32)).astype(F32)
+    total = np.zeros(e.shape[:-1], np.float64)
+    for k in range(chunks.shape[-1]):  # in chunk order, as ggml accumulates
+        total += chunks[..., k]
+    return total[..., None]
 
 
 def _fma(a, b, c):
