@@ -81,12 +81,13 @@ class Runtime:
         x = self.model.embed(ids)
         cur = self.backends["cpu"]
         timing.add("cpu", time.perf_counter() - t0)
+        last = len(self.model.layer_backends) - 1
         for il, b in enumerate(self.model.layer_backends):
             if b is not cur:
                 x = self._cross(x, cur, b)
                 cur = b
             t0 = time.perf_counter()
-            self.model.block(il, b, x, pos, self.kv[il])
+            self.model.block(il, b, x, pos, self.kv[il], last_only=not all_logits and il == last)
             b.synchronize()
             timing.add(b.device, time.perf_counter() - t0)
         ob = self.model.output_backend

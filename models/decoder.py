@@ -80,8 +80,13 @@ class Decoder:
             s = self._scratch[key] = SimpleNamespace(**{name: b.empty((n, m)) for name, m in shapes.items()})
         return s
 
-    def block(self, il: int, b, x, pos: np.ndarray, kv) -> None:
+    def block(self, il: int, b, x, pos: np.ndarray, kv, last_only: bool = False) -> None:
         """One transformer block on backend b, x (n_tok, n_embd) updated in place.
+
+        last_only: after attention only the last row goes on (the last layer of a batch whose
+        other positions need no logits: llama.cpp's output-row selection, which also decides
+        which product kernels, so which float order, the FFN runs with); the other rows of x
+        are left as they were after attention's input.
 
         Backends may offer fused ops (CPUBackend does): `linear_many` (products sharing an input),
         `qkv_attention` (biases, QK-norm, RoPE, cache store, attention) and `add_rms_norm`
@@ -112,7 +117,10 @@ class Decoder:
                       neox=self.ROPE_NEOX, kv=kv, pos=pos, scale=cfg.attn_scale, out=s.a)
         # output projection, (post-norm,) residual connection back into x, ffn rmsnorm
         b.linear(L.attn_output, s.a, s.o)
-        add_rms_norm(x, s.o, L.post_attention_norm, L.ffn_norm, eps, s.h)
+        o = s.o
+        if last_only and n > 1:
+            x, o, s = x[-1:], o[-1:], self.scratch(b, 1)
+        add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
         # gated FFN
         linear_many((L.ffn_gate, L.ffn_up), s.h, (s.gate, s.up))
         if self.ACTIVATION == "gelu":

@@ -45,10 +45,12 @@ def _reference(ggml_type, raw, x_row, per_pair=False):
         return ref.rowdot_q5_k(raw, xq, xd, xs)
     if ggml_type == T.Q2_K:
         return ref.rowdot_q2_k(raw, xq, xd, xs)
+    if ggml_type == T.Q3_K:
+        return ref.rowdot_q3_k(raw, xq, xd)
     return ref.rowdot_q4_k(raw, xq, xd, xs, per_pair)
 
 
-EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K]
+EXACT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("ggml_type", EXACT_TYPES)
@@ -78,6 +80,23 @@ def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
     for t in range(n_tok):
         expect = _reference(ggml_type, raw, x[t], per_pair=t < n_gemm)
         np.testing.assert_array_equal(out[t], expect, err_msg=f"token {t}")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_batches_of_eight_or_more_take_the_tiled_order(ggml_type):
+    """From 8 tokens on llama.cpp multiplies K-quants with its tiled kernel (Q4_K: when it does
+    not repack it, i.e. the row count is not a multiple of 8): another float order."""
+    n_rows = 20 if ggml_type == T.Q4_K else 24
+    raw = _weights(ggml_type, n_rows=n_rows)
+    m = cpu.bind(ggml_type, raw, 1024)
+    x = _x(9)
+    out = np.empty((9, n_rows), np.float32)
+    m.matmul(x, out)
+    name = ggml_type.name.lower()
+    for t in range(9):
+        xq, xd, xs, _ = cpu.quantize("q8_k", x[t]).parts
+        np.testing.assert_array_equal(out[t], ref.rowdot_tiled(name, raw, xq, xd, xs), err_msg=f"token {t}")
+    assert not np.array_equal(out[0], _reference(ggml_type, raw, x[0]))  # not the one-token order
 
 
 @pytest.mark.parametrize("n_acc", [1, 4])

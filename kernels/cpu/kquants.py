@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q2_k, rowdot_q5_k, rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q2_k, rowdot_q3_k, rowdot_q5_k,
+                                        rowdot_q6_k)
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -178,26 +179,25 @@ def matmul_q2_k(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q2_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
-@njit(fastmath=FAST_IN_ORDER, **JIT)
+@njit(**JIT)
 def matvec_q3_k(raw, xq, xd, xs, xm, out):
+    nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        row = raw[r]
-        acc = F32(0.0)
-        for i in range(U(xd.size)):
-            o, x0, g0 = i * U(Q3_K_BYTES), i * U(QK_K), i * U(16)
-            isum = I32(0)
-            for c in range(U(2)):
-                for s in range(U(4)):
-                    g = U(8) * c + U(2) * s
-                    sc0 = _q3_scale(row, o + U(96), g)
-                    sc1 = _q3_scale(row, o + U(96), g + U(1))
-                    xo = x0 + U(128) * c + U(32) * s
-                    # q = low + 4 * high - 4
-                    isum += dot32_field(row, o + U(32) + U(32) * c, I32(2 * s), I32(3), xq, xo, sc0, sc1) \
-                        + I32(4) * dot32_field(row, o, I32(4 * c + s), I32(1), xq, xo, sc0, sc1) \
-                        - I32(4) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
-            acc += (load_f16(row, o + U(108)) * xd[i]) * F32(isum)
-        out[r] = acc
+        out[r] = rowdot_q3_k(raw[r], U(0), xq, U(0), xd, U(0), nb)
+
+
+@njit(**JIT)
+def matmul_q3_k(raw, xq, xd, xs, xm, out):
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    rb = U(raw.shape[1])
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        r0 = c * ROW_CHUNK
+        r1 = min(r0 + ROW_CHUNK, n_rows)
+        for t in range(n_tok):
+            ut = U(t)
+            for r in range(r0, r1):
+                out[t, r] = rowdot_q3_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, ut * nb, nb)
 
 
 @njit(fastmath=FAST_IN_ORDER, inline="always")
@@ -309,7 +309,138 @@ def matmul_q6_k(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
-MATMUL = {GGMLType.Q2_K: matmul_q2_k, GGMLType.Q4_K: matmul_q4_k, GGMLType.Q5_K: matmul_q5_k, GGMLType.Q6_K: matmul_q6_k}
+# --- batches of TILED_MIN or more tokens: llama.cpp's tiled product -------------------------
+# For a batch of 8+ tokens llama.cpp multiplies K-quant weights (Q4_K only when not repacked)
+# with its tiled kernel, whose float order is its own: per super-block the exact integer sums
+# s1 = sum sc * q * x (q the signed code) and, with mins, s2 = sum min * (x sums); then
+# res = d_w * f32(s1), res = fma(-dmin_w, f32(s2), res), acc = fma(res, d_x, acc) (AVX2/FMA).
+# `_sb_<t>` returns (s1, s2) for one super-block: integers, so any order gives the same value.
+TILED_MIN = 8
+
+
+@njit(inline="always")
+def _sb_q2_k(row, o, xq, x0, xs, g0):
+    s1 = I32(0)
+    s2 = I32(0)
+    for c in range(U(2)):
+        for s in range(U(4)):
+            g = U(8) * c + U(2) * s
+            s1 += dot32_field(row, o + U(16) + U(32) * c, I32(2 * s), I32(3), xq, x0 + U(128) * c + U(32) * s,
+                              I32(row[o + g]) & I32(15), I32(row[o + g + U(1)]) & I32(15))
+    for g in range(U(16)):
+        s2 += (I32(row[o + g]) >> I32(4)) * xs[g0 + g]
+    return s1, s2
+
+
+@njit(inline="always")
+def _sb_q3_k(row, o, xq, x0, xs, g0):
+    s1 = I32(0)
+    for c in range(U(2)):
+        for s in range(U(4)):
+            g = U(8) * c + U(2) * s
+            sc0 = _q3_scale(row, o + U(96), g)
+            sc1 = _q3_scale(row, o + U(96), g + U(1))
+            xo = x0 + U(128) * c + U(32) * s
+            # q = low + 4 * high - 4
+            s1 += dot32_field(row, o + U(32) + U(32) * c, I32(2 * s), I32(3), xq, xo, sc0, sc1) \
+                + I32(4) * dot32_field(row, o, I32(4 * c + s), I32(1), xq, xo, sc0, sc1) \
+                - I32(4) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
+    return s1, I32(0)
+
+
+@njit(inline="always")
+def _sb_q45_k(row, o, xq, x0, xs, g0, qs, qh):
+    """Q4_K (qh < 0) or Q5_K (5th bits at byte qh of the block); nibbles at byte qs."""
+    s1 = I32(0)
+    s2 = I32(0)
+    for b in range(U(8)):
+        sc, mn = _scale_min(row, o + U(4), b)
+        xo = x0 + U(32) * b
+        s1 += dot32_field(row, o + qs + U(32) * (b >> U(1)), I32(4 * (b & U(1))), I32(15), xq, xo, sc, sc)
+        if qh >= 0:
+            s1 += I32(16) * dot32_field(row, o + U(qh), I32(b), I32(1), xq, xo, sc, sc)
+        s2 += mn * (xs[g0 + U(2) * b] + xs[g0 + U(2) * b + U(1)])
+    return s1, s2
+
+
+@njit(inline="always")
+def _sb_q6_k(row, o, xq, x0, xs, g0):
+    s1 = I32(0)
+    for h in range(U(2)):
+        for t in range(U(4)):
+            g = U(8) * h + U(2) * t
+            sc0 = I32(np.int8(row[o + U(192) + g]))
+            sc1 = I32(np.int8(row[o + U(193) + g]))
+            xo = x0 + U(128) * h + U(32) * t
+            s1 += dot32_field(row, o + U(64) * h + U(32) * (t & U(1)), I32(4 * (t >> U(1))), I32(15), xq, xo,
+                              sc0, sc1) \
+                + I32(16) * dot32_field(row, o + U(128) + U(32) * h, I32(2 * t), I32(3), xq, xo, sc0, sc1)
+    for g in range(U(16)):
+        s1 -= I32(32) * I32(np.int8(row[o + U(192) + g])) * xs[g0 + g]
+    return s1, I32(0)
+
+
+@njit(inline="always")
+def _sb(kind, row, o, xq, x0, xs, g0):
+    if kind == 2:
+        return _sb_q2_k(row, o, xq, x0, xs, g0)
+    if kind == 3:
+        return _sb_q3_k(row, o, xq, x0, xs, g0)
+    if kind == 4:
+        return _sb_q45_k(row, o, xq, x0, xs, g0, U(16), -1)
+    if kind == 5:
+        return _sb_q45_k(row, o, xq, x0, xs, g0, U(48), 16)
+    return _sb_q6_k(row, o, xq, x0, xs, g0)
+
+
+# by kind (2..6): bytes per super-block, byte offset of d, of dmin (-1: no mins)
+_SB_LAYOUT = ((0, 0, 0), (0, 0, 0), (Q2_K_BYTES, 80, 82), (Q3_K_BYTES, 108, -1), (Q4_K_BYTES, 0, 2),
+              (Q5_K_BYTES, 0, 2), (Q6_K_BYTES, 208, -1))
+
+
+@njit(inline="always")
+def _row_tiled(kind, row, xq, xd, xs, t, nb):
+    """Row `row` times token t's x in llama.cpp's tiled order (see above)."""
+    size, od, om = _SB_LAYOUT[kind]
+    acc = F32(0.0)
+    for j in range(nb):
+        i = t * nb + j
+        o = j * U(size)
+        s1, s2 = _sb(kind, row, o, xq, i * U(QK_K), xs, i * U(16))
+        res = load_f16(row, o + U(od)) * F32(s1)
+        if om >= 0:
+            res = fma32(-load_f16(row, o + U(om)), F32(s2), res)
+        acc = fma32(res, xd[i], acc)
+    return acc
+
+
+@njit(**JIT)
+def matmul_tiled(kind, raw, xq, xd, xs, out):
+    """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order."""
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
+            row = raw[r]
+            for t in range(n_tok):
+                out[t, r] = _row_tiled(kind, row, xq, xd, xs, U(t), nb)
+
+
+def _batch_product(kind, below):
+    """The prompt product of a Q<kind>_K matrix: the tiled order from TILED_MIN tokens on (Q4_K:
+    only when llama.cpp does not repack it, i.e. the row count is not a multiple of 8), `below`
+    (the one-token order, token by token) for smaller batches."""
+    def matmul(raw, xq, xd, xs, xm, out):
+        if out.shape[0] >= TILED_MIN and (kind != 4 or raw.shape[0] % 8):
+            matmul_tiled(kind, raw, xq, xd, xs, out)
+        else:
+            below(raw, xq, xd, xs, xm, out)
+    return matmul
+
+
+MATMUL = {GGMLType.Q2_K: _batch_product(2, matmul_q2_k), GGMLType.Q3_K: _batch_product(3, matmul_q3_k),
+          GGMLType.Q4_K: _batch_product(4, matmul_q4_k),
+          GGMLType.Q5_K: _batch_product(5, matmul_q5_k), GGMLType.Q6_K: _batch_product(6, matmul_q6_k)}
 
 
 KERNELS = {

@@ -225,3 +225,76 @@ def rowdot_q2_k(raw, xq, xd, xs) -> np.ndarray:
                 lanes += prod * np.repeat(sc[:, g:g + 2], 4, axis=1)
         acc = fma((xd[b] * _f16(blk, 80)).astype(F32)[:, None], lanes.astype(F32), acc)
     return hsum8(acc)
+
+
+def _q3_k_parts(blk: np.ndarray):
+    """(rows, 256) signed codes and (rows, 16) signed scales of one Q3_K super-block."""
+    q = np.empty((blk.shape[0], 256), np.int64)
+    for c in range(2):
+        for s in range(4):
+            low = (blk[:, 32 + 32 * c:64 + 32 * c].astype(np.int64) >> (2 * s)) & 3
+            high = (blk[:, 0:32].astype(np.int64) >> (4 * c + s)) & 1
+            q[:, 128 * c + 32 * s:128 * c + 32 * s + 32] = low + 4 * high - 4
+    sb = blk[:, 96:108].astype(np.int64)
+    sc = np.stack([((sb[:, g % 8] >> (4 * (g // 8))) & 15) | (((sb[:, 8 + g % 4] >> (2 * (g // 4))) & 3) << 4)
+                   for g in range(16)], axis=1) - 32
+    return q, sc
+
+
+def rowdot_q3_k(raw, xq, xd) -> np.ndarray:
+    """ggml's x86 vec_dot_q3_K: eight lanes of scaled integer sums per super-block (lane j: weights
+    4j..4j+3 of every 32) into an 8-lane fma accumulator with d_x * d_w; hsum_float_8."""
+    acc = np.zeros((raw.shape[0], 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 110 * b:110 * b + 110]
+        q, sc = _q3_k_parts(blk)
+        prod = q * xq[256 * b:256 * b + 256].astype(np.int64) * np.repeat(sc, 16, axis=1)
+        lanes = prod.reshape(-1, 8, 8, 4).sum(axis=(1, 3))  # (chunk of 32, lane, byte)
+        acc = fma((xd[b] * _f16(blk, 108)).astype(F32)[:, None], lanes.astype(F32), acc)
+    return hsum8(acc)
+
+
+def _k_parts(ggml_type: str, blk: np.ndarray):
+    """One super-block of a K-quant: (rows, 256) signed codes, (rows, 16) scales and mins per 16
+    weights (mins None without), d, dmin (float32 (rows,))."""
+    if ggml_type == "q2_k":
+        q = np.empty((blk.shape[0], 256), np.int64)
+        for j in range(2):
+            for k in range(4):
+                q[:, 128 * j + 32 * k:128 * j + 32 * k + 32] = (blk[:, 16 + 32 * j:48 + 32 * j].astype(np.int64) >> (2 * k)) & 3
+        sb = blk[:, 0:16].astype(np.int64)
+        return q, sb & 15, sb >> 4, _f16(blk, 80), _f16(blk, 82)
+    if ggml_type == "q3_k":
+        q, sc = _q3_k_parts(blk)
+        return q, sc, None, _f16(blk, 108), None
+    if ggml_type in ("q4_k", "q5_k"):
+        qs0 = 16 if ggml_type == "q4_k" else 48
+        q = np.empty((blk.shape[0], 256), np.int64)
+        for s in range(8):
+            qs = blk[:, qs0 + 32 * (s // 2):qs0 + 32 + 32 * (s // 2)].astype(np.int64)
+            q[:, 32 * s:32 * s + 32] = (qs >> (4 * (s % 2))) & 15
+            if ggml_type == "q5_k":
+                q[:, 32 * s:32 * s + 32] |= ((blk[:, 16:48].astype(np.int64) >> s) & 1) << 4
+        sc, mn = _q4_k_scales(blk)
+        return q, np.repeat(sc, 2, axis=1), np.repeat(mn, 2, axis=1), _f16(blk, 0), _f16(blk, 2)
+    assert ggml_type == "q6_k"
+    return _q6_k_values(blk) - 32, blk[:, 192:208].view(np.int8).astype(np.int64), None, _f16(blk, 208), None
+
+
+K_BLOCK_BYTES = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+
+
+def rowdot_tiled(ggml_type: str, raw, xq, xd, xs) -> np.ndarray:
+    """llama.cpp's tiled product (batches of 8+ tokens, K-quants): per super-block the exact
+    integers s1 = sum sc * q * x and s2 = sum min * (x sums of 16); res = d_w * f32(s1), with
+    mins res = fma(-dmin_w, f32(s2), res); acc = fma(res, d_x, acc)."""
+    size = K_BLOCK_BYTES[ggml_type]
+    acc = np.zeros(raw.shape[0], F32)
+    for b in range(xd.size):
+        q, sc, mn, d, dmin = _k_parts(ggml_type, raw[:, size * b:size * b + size])
+        s1 = (q * xq[256 * b:256 * b + 256].astype(np.int64) * np.repeat(sc, 16, axis=1)).sum(1)
+        res = (d * s1.astype(F32)).astype(F32)
+        if mn is not None:
+            res = fma(-dmin, (mn * xs[16 * b:16 * b + 16].astype(np.int64)).sum(1).astype(F32), res)
+        acc = fma(res, xd[b], acc)
+    return acc

@@ -681,3 +681,57 @@ def rowdot_q2_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         return _hsum8(builder, acc)
 
     return sig, codegen
+
+
+@intrinsic
+def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
+    """float32: a Q3_K row (110-byte super-blocks: hmask[32], qs[64], scales[12], d) times x in
+    Q8_K form, in ggml's x86 order: per super-block eight int32 lanes (lane j: sc * q * x of
+    weights 4j..4j+3 of every 32, q = low 2 bits - 4 unless the hmask bit is set), then
+    acc = fma(d_x * d_w, lanes, acc); the result hsum_float_8(acc)."""
+    sig = types.float32(w, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, xd_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[4], xd_)
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        def byte(o, k):
+            return builder.zext(builder.load(builder.gep(wp, [builder.add(o, const(k))])), i32)
+
+        def bits(v, shift, mask):
+            return builder.and_(builder.lshr(v, ir.Constant(i32, shift)), ir.Constant(i32, mask))
+
+        def body(i, acc, s):
+            o = builder.add(w_off_, builder.mul(i, const(110)))
+            xo = builder.add(x_off_, builder.mul(i, const(256)))
+            sc = [builder.sub(builder.or_(bits(byte(o, 96 + g % 8), 4 * (g // 8), 15),
+                                          builder.shl(bits(byte(o, 104 + g % 4), 2 * (g // 4), 3), ir.Constant(i32, 4))),
+                              ir.Constant(i32, 32)) for g in range(16)]
+            hmask = _load_vec(builder, wp, o, _i8(32))
+            not_h = builder.xor(hmask, ir.Constant(_i8(32), [-1] * 32))
+            sumi = ir.Constant(_i32(8), [0] * 8)
+            for c in range(2):
+                qbits = _load_vec(builder, wp, builder.add(o, const(32 + 32 * c)), _i8(32))
+                for s_ in range(4):
+                    low = builder.and_(builder.lshr(qbits, ir.Constant(_i8(32), [2 * s_] * 32)), ir.Constant(_i8(32), [3] * 32))
+                    four = builder.shl(builder.and_(builder.lshr(not_h, ir.Constant(_i8(32), [4 * c + s_] * 32)),
+                                                    ir.Constant(_i8(32), [1] * 32)), ir.Constant(_i8(32), [2] * 32))
+                    y = _load_vec(builder, xp, builder.add(xo, const(128 * c + 32 * s_)), _i8(32))
+                    g = 8 * c + 2 * s_
+                    sumi = builder.add(sumi, builder.sub(_scaled_quads(builder, low, y, sc[g], sc[g + 1]),
+                                                         _scaled_quads(builder, four, y, sc[g], sc[g + 1])))
+            d = builder.fmul(builder.load(builder.gep(dp, [builder.add(b_off_, i)])),
+                             _load_half(builder, wp, builder.add(o, const(108))))
+            acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)
+            return acc, s
+
+        acc, _ = _block_loop(context, builder, nb_, body)
+        return _hsum8(builder, acc)
+
+    return sig, codegen
