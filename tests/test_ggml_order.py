@@ -99,6 +99,25 @@ def test_batches_of_eight_or_more_take_the_tiled_order(ggml_type):
     assert not np.array_equal(out[0], _reference(ggml_type, raw, x[0]))  # not the one-token order
 
 
+@pytest.mark.parametrize("ggml_type", [T.F16, T.BF16])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_float_weights_follow_vec_dot_for_one_token_and_tinyblas_for_more(ggml_type, n_tok):
+    raw = _weights(ggml_type).view(np.uint8)
+    m = cpu.bind(ggml_type, raw, 1024)
+    x = _x(n_tok)
+    out = np.empty((n_tok, raw.shape[0]), np.float32)
+    m.matmul(x, out)
+    w = np.empty((raw.shape[0], 1024), np.float32)
+    m.dequantize(w)
+    fmt = cpu.activation_format(ggml_type)
+    for t in range(n_tok):
+        xr = cpu.quantize(fmt, x[t]).parts[0]
+        expect = ref.dot_f16(w, xr, 4 if n_tok == 1 else 1, bf16=ggml_type == T.BF16)
+        np.testing.assert_array_equal(out[t], expect, err_msg=f"token {t}")
+    if n_tok == 1:  # and the two orders differ
+        assert not np.array_equal(out[0], ref.dot_f16(w, xr, 1))
+
+
 @pytest.mark.parametrize("n_acc", [1, 4])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_attention_dot_products_follow_ggml(n_acc, dtype):

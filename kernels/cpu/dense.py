@@ -2,7 +2,10 @@
 
 raw uint8 (n_rows, n_cols * 2); `matvec_<t>(raw, xr, out)` takes x already rounded to the
 weight's type (llama.cpp converts x to F16 / BF16 before the product: common.quantize_f16 /
-quantize_bf16) and sums float32 products over whole rows.
+quantize_bf16). When the row length is a multiple of 32 the sums follow llama.cpp's order
+(rowdot.dot_f16 / dot_bf16): one token as ggml's vec_dot_f16 / vec_dot_bf16 (four 8-lane fma
+accumulators), two or more as its tinyBLAS product (one 8-lane accumulator); other lengths sum
+float32 products in SIMD lanes of LLVM's choosing.
 F16 -> F32 is exact (common.f16_to_f32), BF16 -> F32 is a shift: dequantize is bit-exact.
 """
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import F32, JIT, U, bf16_to_f32, f16_to_f32, load_f16, njit, prange
+from edgellm.kernels.cpu.rowdot import dot_bf16, dot_f16
 
 
 @njit(**JIT)
@@ -31,7 +35,7 @@ def dequantize_bf16(raw, out, lanes):
 # Reassociation lets LLVM split each row's sum into SIMD lanes; the split is fixed at compile
 # time, so repeated calls still give the same bits.
 @njit(fastmath=True, **JIT)
-def matvec_f16(raw, x, out):
+def _matvec_f16_any(raw, x, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
@@ -41,7 +45,7 @@ def matvec_f16(raw, x, out):
 
 
 @njit(fastmath=True, **JIT)
-def matvec_bf16(raw, x, out):
+def _matvec_bf16_any(raw, x, out):
     for r in prange(raw.shape[0]):
         row = raw[r]
         acc = F32(0.0)
@@ -50,7 +54,64 @@ def matvec_bf16(raw, x, out):
         out[r] = acc
 
 
+@njit(**JIT)
+def _matvec_f16_ggml(raw, x, out):
+    for r in prange(raw.shape[0]):
+        out[r] = dot_f16(raw[r], U(0), x, U(0), U(x.size), 4)
+
+
+@njit(**JIT)
+def _matvec_bf16_ggml(raw, x, out):
+    for r in prange(raw.shape[0]):
+        out[r] = dot_bf16(raw[r], U(0), x, U(0), U(x.size), 4)
+
+
+ROW_CHUNK = 16  # matmul: rows per parallel chunk
+
+
+@njit(**JIT)
+def _matmul_f16_ggml(raw, x, out):
+    n_tok, n_rows = out.shape
+    n = U(x.size // n_tok)
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
+            for t in range(n_tok):
+                out[t, r] = dot_f16(raw[r], U(0), x, U(t) * n, n, 1)
+
+
+@njit(**JIT)
+def _matmul_bf16_ggml(raw, x, out):
+    n_tok, n_rows = out.shape
+    n = U(x.size // n_tok)
+    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
+        for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
+            for t in range(n_tok):
+                out[t, r] = dot_bf16(raw[r], U(0), x, U(t) * n, n, 1)
+
+
+def _in_ggml_order(ggml_order, any_order, rows_per_token: bool):
+    """Dispatch on the row length: ggml's order when it is a multiple of 32 (else `any_order`,
+    applied token by token for a batch)."""
+    def product(raw, x, out):
+        if (raw.shape[1] // 2) % 32 == 0:
+            ggml_order(raw, x, out)
+        elif rows_per_token:
+            n = raw.shape[1] // 2
+            for t in range(out.shape[0]):
+                any_order(raw, x[t * n:(t + 1) * n], out[t])
+        else:
+            any_order(raw, x, out)
+    return product
+
+
+matvec_f16 = _in_ggml_order(_matvec_f16_ggml, _matvec_f16_any, False)
+matvec_bf16 = _in_ggml_order(_matvec_bf16_ggml, _matvec_bf16_any, False)
+
 KERNELS = {
     GGMLType.F16: (dequantize_f16, matvec_f16),
     GGMLType.BF16: (dequantize_bf16, matvec_bf16),
+}
+MATMUL = {
+    GGMLType.F16: _in_ggml_order(_matmul_f16_ggml, _matvec_f16_any, True),
+    GGMLType.BF16: _in_ggml_order(_matmul_bf16_ggml, _matvec_bf16_any, True),
 }

@@ -140,9 +140,10 @@ def rowdot_q4_k(raw, xq, xd, xs, per_pair: bool) -> np.ndarray:
     return (acc - acc_m).astype(F32)
 
 
-def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int) -> np.ndarray:
+def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int, bf16: bool = False) -> np.ndarray:
     """k float16 / float32 (rows, n), q float32 (n,): ggml's vec_dot_f16 (n_acc 4) or tinyBLAS
-    (n_acc 1) order (see rowdot.dot_f16)."""
+    (n_acc 1) order (see rowdot.dot_f16); bf16: k holds bfloat16 values (as float32), and
+    n_acc 4 is vec_dot_bf16 (its lanes summed as hsum_float_8)."""
     kf = k.astype(F32)
     acc = np.zeros((k.shape[0], n_acc, 8), F32)
     for c in range(k.shape[1] // 8):
@@ -151,6 +152,8 @@ def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int) -> np.ndarray:
     if n_acc == 1:
         return hsum8(acc[:, 0])
     s = ((acc[:, 0] + acc[:, 2]).astype(F32) + (acc[:, 1] + acc[:, 3]).astype(F32)).astype(F32)
+    if bf16:
+        return hsum8(s)
     t = [(s[:, i] + s[:, i + 4]).astype(F32) for i in range(4)]
     return ((t[0] + t[1]).astype(F32) + (t[2] + t[3]).astype(F32)).astype(F32)
 
