@@ -54,48 +54,41 @@ def _matvec_bf16_any(raw, x, out):
         out[r] = acc
 
 
-@njit(**JIT)
-def _matvec_f16_ggml(raw, x, out):
-    for r in prange(raw.shape[0]):
-        out[r] = dot_f16(raw[r], U(0), x, U(0), U(x.size), 4)
+@njit(inline="always")
+def _dot(bf16, row, x, x_off, n, n_acc):
+    if bf16:
+        return dot_bf16(row, U(0), x, x_off, n, n_acc)
+    return dot_f16(row, U(0), x, x_off, n, n_acc)
 
 
 @njit(**JIT)
-def _matvec_bf16_ggml(raw, x, out):
+def _matvec_ggml(raw, x, out, bf16):
+    """One token: vec_dot_f16 / vec_dot_bf16's order (four 8-lane accumulators)."""
     for r in prange(raw.shape[0]):
-        out[r] = dot_bf16(raw[r], U(0), x, U(0), U(x.size), 4)
+        out[r] = _dot(bf16, raw[r], x, U(0), U(x.size), 4)
 
 
 ROW_CHUNK = 16  # matmul: rows per parallel chunk
 
 
 @njit(**JIT)
-def _matmul_f16_ggml(raw, x, out):
+def _matmul_ggml(raw, x, out, bf16):
+    """Two or more tokens: tinyBLAS's order (one 8-lane accumulator)."""
     n_tok, n_rows = out.shape
     n = U(x.size // n_tok)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
             for t in range(n_tok):
-                out[t, r] = dot_f16(raw[r], U(0), x, U(t) * n, n, 1)
+                out[t, r] = _dot(bf16, raw[r], x, U(t) * n, n, 1)
 
 
-@njit(**JIT)
-def _matmul_bf16_ggml(raw, x, out):
-    n_tok, n_rows = out.shape
-    n = U(x.size // n_tok)
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
-            for t in range(n_tok):
-                out[t, r] = dot_bf16(raw[r], U(0), x, U(t) * n, n, 1)
-
-
-def _in_ggml_order(ggml_order, any_order, rows_per_token: bool):
+def _in_ggml_order(ggml_order, any_order, bf16: bool, per_token: bool):
     """Dispatch on the row length: ggml's order when it is a multiple of 32 (else `any_order`,
     applied token by token for a batch)."""
     def product(raw, x, out):
         if (raw.shape[1] // 2) % 32 == 0:
-            ggml_order(raw, x, out)
-        elif rows_per_token:
+            ggml_order(raw, x, out, bf16)
+        elif per_token:
             n = raw.shape[1] // 2
             for t in range(out.shape[0]):
                 any_order(raw, x[t * n:(t + 1) * n], out[t])
@@ -104,14 +97,11 @@ def _in_ggml_order(ggml_order, any_order, rows_per_token: bool):
     return product
 
 
-matvec_f16 = _in_ggml_order(_matvec_f16_ggml, _matvec_f16_any, False)
-matvec_bf16 = _in_ggml_order(_matvec_bf16_ggml, _matvec_bf16_any, False)
-
 KERNELS = {
-    GGMLType.F16: (dequantize_f16, matvec_f16),
-    GGMLType.BF16: (dequantize_bf16, matvec_bf16),
+    GGMLType.F16: (dequantize_f16, _in_ggml_order(_matvec_ggml, _matvec_f16_any, False, False)),
+    GGMLType.BF16: (dequantize_bf16, _in_ggml_order(_matvec_ggml, _matvec_bf16_any, True, False)),
 }
 MATMUL = {
-    GGMLType.F16: _in_ggml_order(_matmul_f16_ggml, _matvec_f16_any, True),
-    GGMLType.BF16: _in_ggml_order(_matmul_bf16_ggml, _matvec_bf16_any, True),
+    GGMLType.F16: _in_ggml_order(_matmul_ggml, _matvec_f16_any, False, True),
+    GGMLType.BF16: _in_ggml_order(_matmul_ggml, _matvec_bf16_any, True, True),
 }

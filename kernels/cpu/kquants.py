@@ -27,8 +27,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot4_q4_k, rowdot4_q6_k, rowdot_q2_k, rowdot_q3_k, rowdot_q5_k,
-                                        rowdot_q6_k)
+from edgellm.kernels.cpu.rowdot import rowdot4_q4_k, rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -166,38 +165,10 @@ def matvec_q2_k(raw, xq, xd, xs, xm, out):
 
 
 @njit(**JIT)
-def matmul_q2_k(raw, xq, xd, xs, xm, out):
-    n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
-    rb = U(raw.shape[1])
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r0 = c * ROW_CHUNK
-        r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(n_tok):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r] = rowdot_q2_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
-
-
-@njit(**JIT)
 def matvec_q3_k(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
     for r in prange(raw.shape[0]):
         out[r] = rowdot_q3_k(raw[r], U(0), xq, U(0), xd, U(0), nb)
-
-
-@njit(**JIT)
-def matmul_q3_k(raw, xq, xd, xs, xm, out):
-    n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
-    rb = U(raw.shape[1])
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r0 = c * ROW_CHUNK
-        r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(n_tok):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r] = rowdot_q3_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, ut * nb, nb)
 
 
 @njit(fastmath=FAST_IN_ORDER, inline="always")
@@ -269,44 +240,10 @@ def matvec_q5_k(raw, xq, xd, xs, xm, out):
 
 
 @njit(**JIT)
-def matmul_q5_k(raw, xq, xd, xs, xm, out):
-    n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
-    rb = U(raw.shape[1])
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r0 = c * ROW_CHUNK
-        r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(n_tok):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r] = rowdot_q5_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
-
-
-@njit(**JIT)
 def matvec_q6_k(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
     for r in prange(raw.shape[0]):
         out[r] = rowdot_q6_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
-
-
-@njit(**JIT)
-def matmul_q6_k(raw, xq, xd, xs, xm, out):
-    n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
-    rb = U(raw.shape[1])
-    n4 = n_tok - n_tok % TILE
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r0 = c * ROW_CHUNK
-        r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(0, n4, TILE):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q6_k(
-                    raw, U(r) * rb, xq, ut * nb * U(QK_K), nb * U(QK_K), xd, xs, ut * nb, nb, nb)
-        for t in range(n4, n_tok):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r] = rowdot_q6_k(raw, U(r) * rb, xq, ut * nb * U(QK_K), xd, xs, ut * nb, nb)
 
 
 # --- batches of TILED_MIN or more tokens: llama.cpp's tiled product -------------------------
@@ -426,23 +363,6 @@ def matmul_tiled(kind, raw, xq, xd, xs, out):
                 out[t, r] = _row_tiled(kind, row, xq, xd, xs, U(t), nb)
 
 
-def _batch_product(kind, below):
-    """The prompt product of a Q<kind>_K matrix: the tiled order from TILED_MIN tokens on (Q4_K:
-    only when llama.cpp does not repack it, i.e. the row count is not a multiple of 8), `below`
-    (the one-token order, token by token) for smaller batches."""
-    def matmul(raw, xq, xd, xs, xm, out):
-        if out.shape[0] >= TILED_MIN and (kind != 4 or raw.shape[0] % 8):
-            matmul_tiled(kind, raw, xq, xd, xs, out)
-        else:
-            below(raw, xq, xd, xs, xm, out)
-    return matmul
-
-
-MATMUL = {GGMLType.Q2_K: _batch_product(2, matmul_q2_k), GGMLType.Q3_K: _batch_product(3, matmul_q3_k),
-          GGMLType.Q4_K: _batch_product(4, matmul_q4_k),
-          GGMLType.Q5_K: _batch_product(5, matmul_q5_k), GGMLType.Q6_K: _batch_product(6, matmul_q6_k)}
-
-
 KERNELS = {
     GGMLType.Q2_K: (dequantize_q2_k, matvec_q2_k),
     GGMLType.Q3_K: (dequantize_q3_k, matvec_q3_k),
@@ -450,3 +370,29 @@ KERNELS = {
     GGMLType.Q5_K: (dequantize_q5_k, matvec_q5_k),
     GGMLType.Q6_K: (dequantize_q6_k, matvec_q6_k),
 }
+
+
+def _batch_product(kind, ggml_type, below=None):
+    """The prompt product of a Q<kind>_K matrix: the tiled order from TILED_MIN tokens on (Q4_K:
+    only when llama.cpp does not repack it, i.e. the row count is not a multiple of 8); smaller
+    batches take llama.cpp's one-token order: `below(raw, xq, xd, xs, xm, out)` for the whole
+    batch if given, else the type's matvec kernel token by token."""
+    matvec = KERNELS[ggml_type][1]
+
+    def matmul(raw, xq, xd, xs, xm, out):
+        n_tok = out.shape[0]
+        if n_tok >= TILED_MIN and (kind != 4 or raw.shape[0] % 8):
+            matmul_tiled(kind, raw, xq, xd, xs, out)
+        elif below is not None:
+            below(raw, xq, xd, xs, xm, out)
+        else:
+            nb = xd.size // n_tok
+            for t in range(n_tok):
+                matvec(raw, xq[t * nb * QK_K:(t + 1) * nb * QK_K], xd[t * nb:(t + 1) * nb],
+                       xs[t * nb * 16:(t + 1) * nb * 16], xm, out[t])
+    return matmul
+
+
+MATMUL = {GGMLType.Q2_K: _batch_product(2, GGMLType.Q2_K), GGMLType.Q3_K: _batch_product(3, GGMLType.Q3_K),
+          GGMLType.Q4_K: _batch_product(4, GGMLType.Q4_K, matmul_q4_k),
+          GGMLType.Q5_K: _batch_product(5, GGMLType.Q5_K), GGMLType.Q6_K: _batch_product(6, GGMLType.Q6_K)}

@@ -36,6 +36,11 @@ _I64 = ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
 
 
+def const(v):
+    """An i64 constant (offsets and sizes in the IR below)."""
+    return ir.Constant(_I64, v)
+
+
 def _ptr(context, builder, arytype, ary):
     return context.make_array(arytype)(context, builder, ary).data
 
@@ -301,9 +306,6 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         dp = _ptr(context, builder, signature.args[4], xd_)
         sp = _ptr(context, builder, signature.args[5], xs_)
 
-        def const(v):
-            return ir.Constant(_I64, v)
-
         def body(i, acc, s):
             o = builder.add(w_off_, builder.mul(i, const(210)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
@@ -430,65 +432,6 @@ rowdot8_q5_0 = _legacy_tile("q5_0", 8)
 rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token; (x_stride, b_stride unused)
 
 
-@intrinsic
-def rowdot4_q6_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stride, nb):
-    """rowdot_q6_k for four tokens (x blocks at x_off + t * x_stride, scales / sums at
-    b_off + t * b_stride), each super-block unpacked once."""
-    ret = types.UniTuple(types.float32, TILE)
-    sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xs, types.uint64, types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        w_, w_off_, xq_, x_off_, x_stride_, xd_, xs_, b_off_, b_stride_, nb_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[2], xq_)
-        dp = _ptr(context, builder, signature.args[5], xd_)
-        sp = _ptr(context, builder, signature.args[6], xs_)
-
-        def const(v):
-            return ir.Constant(_I64, v)
-
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(TILE)]
-        with cgutils.for_range(builder, nb_) as loop:
-            i = loop.index
-            o = builder.add(w_off_, builder.mul(i, const(210)))
-            qs, scs = [], []
-            for h in range(2):
-                qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
-                for t in range(4):
-                    ql = _load_vec(builder, wp, builder.add(o, const(64 * h + 32 * (t % 2))), _i8(32))
-                    lo = builder.and_(builder.lshr(ql, ir.Constant(_i8(32), [4 * (t // 2)] * 32)),
-                                      ir.Constant(_i8(32), [15] * 32))
-                    hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [2 * t] * 32)),
-                                      ir.Constant(_i8(32), [3] * 32))
-                    qs.append(builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32))))
-            scs = [builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + k))])), ir.IntType(32))
-                   for k in range(16)]
-            dw = _load_half(builder, wp, builder.add(o, const(208)))
-            for tok in range(TILE):
-                tt = const(tok)
-                bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
-                xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)), builder.mul(i, const(256)))
-                sumi = ir.Constant(_i32(8), [0] * 8)
-                for c in range(8):
-                    y = _load_vec(builder, xp, builder.add(xo, const(32 * c)), _i8(32))
-                    sumi = builder.add(sumi, _scaled_quads(builder, qs[c], y, scs[2 * c], scs[2 * c + 1]))
-                s16 = builder.mul(bi, const(16))
-                offs = ir.Constant(_i32(8), [0] * 8)
-                for lane in range(8):
-                    a = builder.mul(scs[2 * lane], builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane))])))
-                    b = builder.mul(scs[2 * lane + 1],
-                                    builder.load(builder.gep(sp, [builder.add(s16, const(2 * lane + 1))])))
-                    pair = builder.shl(builder.add(a, b), ir.Constant(ir.IntType(32), 5))
-                    offs = builder.insert_element(offs, pair, ir.Constant(ir.IntType(32), lane))
-                sumi = builder.sub(sumi, offs)
-                d = builder.fmul(builder.load(builder.gep(dp, [bi])), dw)
-                acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), builder.load(accs[tok]))
-                builder.store(acc, accs[tok])
-        return context.make_tuple(builder, ret, [_hsum8(builder, builder.load(a)) for a in accs])
-
-    return sig, codegen
-
-
 def _k_scale_min(builder, wp, o, b):
     """(scale, min) as int32 of sub-block b (0..7) of a Q4_K / Q5_K super-block whose 12 packed
     6-bit scale bytes start at byte o."""
@@ -519,9 +462,6 @@ def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         xp = _ptr(context, builder, signature.args[2], xq_)
         dp = _ptr(context, builder, signature.args[4], xd_)
         sp = _ptr(context, builder, signature.args[5], xs_)
-
-        def const(v):
-            return ir.Constant(_I64, v)
 
         def body(i, acc, summs):
             o = builder.add(w_off_, builder.mul(i, const(176)))
@@ -599,9 +539,6 @@ def rowdot4_q4_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stri
         sp = _ptr(context, builder, signature.args[6], xs_)
         i32 = ir.IntType(32)
 
-        def const(v):
-            return ir.Constant(_I64, v)
-
         zero = ir.Constant(_F32, 0.0)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
         accms = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
@@ -665,9 +602,6 @@ def rowdot_q2_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         sp = _ptr(context, builder, signature.args[5], xs_)
         i32 = ir.IntType(32)
 
-        def const(v):
-            return ir.Constant(_I64, v)
-
         def body(i, acc, s):
             o = builder.add(w_off_, builder.mul(i, const(84)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
@@ -717,9 +651,6 @@ def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
         xp = _ptr(context, builder, signature.args[2], xq_)
         dp = _ptr(context, builder, signature.args[4], xd_)
         i32 = ir.IntType(32)
-
-        def const(v):
-            return ir.Constant(_I64, v)
 
         def byte(o, k):
             return builder.zext(builder.load(builder.gep(wp, [builder.add(o, const(k))])), i32)
