@@ -293,7 +293,8 @@ class CPUBackend(NumpyBackend):
         n_acc = 4 if q.shape[0] == 1 else 1
         self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), n_acc, out)
 
-    def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu) -> bool:
+    def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
+                     q_scale=1.0) -> bool:
         """One token through block L (weights as Decoder loads them) in one kernel call
         (kernels/cpu/fused.py), x (1, n_embd) updated in place, s the decoder's scratch. Returns
         False, having done nothing, when the block needs the unfused ops: a weight type without a
@@ -313,7 +314,7 @@ class CPUBackend(NumpyBackend):
             x, s.h, s.q.reshape(1, n_head, -1), s.k.reshape(1, n_kv, -1), s.v.reshape(1, n_kv, -1), s.a, s.o,
             s.gate, s.up, *self._fused_activations(max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
             *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, kv.size, used, kv.window,
-            F32(scale), gelu, gelu_f16_table())
+            F32(scale), gelu, gelu_f16_table(), F32(q_scale))
         kv.n_used = used
         return True
 
@@ -351,28 +352,29 @@ class CPUBackend(NumpyBackend):
         return self._fused_ops
 
     def qkv_attention(self, q, k, v, *, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox,
-                      kv, pos, scale, out) -> None:
+                      kv, pos, scale, out, q_scale=1.0) -> None:
         """Everything from the q, k, v projections to the attention output in two kernel calls:
-        + biases, QK-norm, RoPE, k and v into the cache (one call), attention (one call).
+        + biases, QK-norm, RoPE, q * q_scale, k and v into the cache (one call), attention (one call).
         q (n_tok, n_head, hd_k), k (n_tok, n_kv, hd_k), v (n_tok, n_kv, hd_v), all changed in place;
         biases (bq, bk, bv) and the norms may be None; out (n_tok, n_head * hd_v)."""
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return qkv_attention_by_ops(self, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base,
-                                         freq_scale, neox, kv, pos, scale, out)
+                                         freq_scale, neox, kv, pos, scale, out, q_scale)
         cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos[-1]) + 1)
         bq, bk, bv = (_NONE if b is None else b for b in biases)
         self.ops.prepare_qkv(q, k, v, bq, bk, bv, _NONE if q_norm is None else q_norm,
                              _NONE if k_norm is None else k_norm, eps, cos, sin, pos, n_rot, neox,
-                             kc, vc, kv.pos, kv.size)
+                             kc, vc, kv.pos, kv.size, F32(q_scale))
         last = int(pos[-1]) % kv.size if len(pos) == 1 else int((pos % kv.size).max())
         kv.n_used = max(kv.n_used, last + 1)
         self.attention(q, kv, pos, scale, out)
 
 
 def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox, kv, pos,
-                          scale, out) -> None:
-    """`qkv_attention` as a sequence of the primitive backend ops (any backend)."""
+                          scale, out, q_scale=1.0) -> None:
+    """`qkv_attention` as a sequence of the primitive backend ops (any backend; q * q_scale is
+    an in-place array product, which NumPy and CuPy arrays both take)."""
     for x, bias in zip((q, k, v), biases):
         if bias is not None:
             b.add(x, bias.reshape(x.shape[1:]), x)
@@ -382,6 +384,8 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
         b.rms_norm(k, k_norm, eps, k)
     b.rope(q, pos, n_rot, freq_base, freq_scale, neox)
     b.rope(k, pos, n_rot, freq_base, freq_scale, neox)
+    if q_scale != 1.0:
+        q *= np.float32(q_scale)
     b.kv_store(kv, k, v, pos)
     b.attention(q, kv, pos, scale, out)
 

@@ -24,6 +24,10 @@ class Decoder:
     ROPE_NEOX = False  # RoPE pairs (i, i + n_rot/2) instead of (2i, 2i+1)
     ACTIVATION = "silu"  # gated FFN: act(gate) * up; "silu" or "gelu" (tanh approximation)
     EMBED_SCALE = False  # multiply embeddings by sqrt(n_embd)
+    # The attention scale multiplies q (float32, after RoPE) instead of the scores, as llama.cpp's
+    # graph does for Gemma: q is rounded to f16 for the K q product after the scaling, so where the
+    # scaled value is an f16 subnormal the two orders differ.
+    SCALE_Q = False
 
     def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend):
         self.cfg = cfg
@@ -96,10 +100,11 @@ class Decoder:
         hd_k, hd_v, eps = cfg.head_dim_k, cfg.head_dim_v, cfg.rms_eps
         s = self.scratch(b, n)
         base, scale = self.rope_params(il)
+        q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
         decode_block = getattr(b, "decode_block", None)
         if n == 1 and decode_block is not None and decode_block(
                 L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale, neox=self.ROPE_NEOX,
-                scale=cfg.attn_scale, gelu=self.ACTIVATION == "gelu"):
+                scale=att_scale, gelu=self.ACTIVATION == "gelu", q_scale=q_scale):
             return  # the backend ran the whole block in one fused call
         add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
         qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
@@ -114,7 +119,7 @@ class Decoder:
                       s.v.reshape(n, cfg.n_head_kv, hd_v),
                       biases=(L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), q_norm=L.attn_q_norm,
                       k_norm=L.attn_k_norm, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
-                      neox=self.ROPE_NEOX, kv=kv, pos=pos, scale=cfg.attn_scale, out=s.a)
+                      neox=self.ROPE_NEOX, kv=kv, pos=pos, scale=att_scale, out=s.a, q_scale=q_scale)
         # output projection, (post-norm,) residual connection back into x, ffn rmsnorm
         b.linear(L.attn_output, s.a, s.o)
         o = s.o

@@ -19,3 +19,4 @@ class Model(Decoder):
     ROPE_NEOX = True
     ACTIVATION = "gelu"
     EMBED_SCALE = True
+    SCALE_Q = True  # llama.cpp scales q by the attention scale in the graph (ggml_scale), not the scores

@@ -90,7 +90,7 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
                  attn_norm, post_attn_norm, ffn_norm, post_ffw_norm, q_norm, k_norm, bq, bk, bv,
                  wq, wk, wv, wo, wg, wu, wd, tids,
                  eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, used, window, scale,
-                 gelu, gelu_table):
+                 gelu, gelu_table, q_scale):
     """One token through one block, in place on x (1, n_embd). q (1, n_head, hd), k / v
     (1, n_kv, hd), att (1, n_head * hd_v), o / h (1, n_embd), gate / up (1, n_ff): scratch.
     a32 / ak: activation buffers (q8_32 and q8_k parts) for the widest input. tids: the types of
@@ -111,7 +111,7 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
             _rows(tids[1], wk, c - cq, kf, a32, ak, n_in_qkv)
         else:
             _rows(tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv)
-    prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size)
+    prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, q_scale)
     attend_ggml(q, kc, vc, kpos, used, pos, window, scale, 4, att)
     # output projection, residual, ffn norm
     n_att = att.shape[1]

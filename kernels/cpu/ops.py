@@ -185,10 +185,11 @@ def cos_sin(theta, cos, sin):
 
 
 @njit(cache=True, nogil=True)
-def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size):
+def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, q_scale):
     """Everything between the q/k/v projections and attention, in place on q (n_tok, n_head, hd),
-    k (n_tok, n_kv, hd), v (n_tok, n_kv, hd_v): + biases, QK-norm per head, RoPE; then k, v into the
-    cache kc, vc (size, n_kv, hd) at slot pos % size, kpos[slot] = pos. Empty arrays skip a step."""
+    k (n_tok, n_kv, hd), v (n_tok, n_kv, hd_v): + biases, QK-norm per head, RoPE, q * q_scale
+    (float32; 1: none); then k, v into the cache kc, vc (size, n_kv, hd) at slot pos % size,
+    kpos[slot] = pos. Empty arrays skip a step."""
     n_tok, n_head, hd = q.shape
     n_kv = k.shape[1]
     hdv = v.shape[2]
@@ -213,6 +214,11 @@ def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, 
         rms_norm(k2, k_norm, eps, k2)
     rope(q, cos, sin, pos, n_rot, neox)
     rope(k, cos, sin, pos, n_rot, neox)
+    if q_scale != F32(1.0):
+        for t in range(n_tok):
+            for h in range(n_head):
+                for d in range(hd):
+                    q[t, h, d] *= q_scale
     z = kc[0, 0, 0]
     for t in range(n_tok):
         slot = pos[t] % size
