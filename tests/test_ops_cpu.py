@@ -161,6 +161,26 @@ def test_qkv_attention_fused_equals_primitive_ops(n_tok, neox, qk_norm, bias, dt
     np.testing.assert_array_equal(fast_kv.v, twin_kv.v)  # v goes in untouched: rounding is exact
 
 
+def test_q_scale_scales_q_before_it_is_rounded_to_f16():
+    """q_scale (Gemma: llama.cpp's graph scales q, not the scores) multiplies q after RoPE, so q
+    is rounded to f16 after scaling: with small q the scaled values are f16 subnormals and the
+    result differs from scaling the scores; the fused op and the primitive ops agree on it."""
+    n_head, n_kv, hd = 2, 1, 64
+    q, k, v = randn(1, n_head, hd) * F32(2e-3), randn(1, n_kv, hd), randn(1, n_kv, hd)
+    pos = np.array([5], dtype=np.int64)
+    base = dict(biases=(None, None, None), q_norm=None, k_norm=None, eps=1e-6, n_rot=hd, freq_base=10000.0,
+                freq_scale=1.0, neox=True, pos=pos)
+    outs = {}
+    for name, scales in (("q", dict(q_scale=0.0625, scale=1.0)), ("scores", dict(q_scale=1.0, scale=0.0625))):
+        fast_kv, twin_kv = filled_pair(16, n_kv, hd, hd, np.float16, 0, range(5))
+        fast, twin = np.empty((1, n_head * hd), F32), np.empty((1, n_head * hd), F32)
+        FAST.qkv_attention(q.copy(), k.copy(), v.copy(), kv=fast_kv, out=fast, **base, **scales)
+        qkv_attention_by_ops(TWIN, q.copy(), k.copy(), v.copy(), kv=twin_kv, out=twin, **base, **scales)
+        np.testing.assert_allclose(fast, twin, rtol=1e-4, atol=2e-5)
+        outs[name] = fast
+    assert not np.array_equal(outs["q"], outs["scores"])
+
+
 def test_f16_cache_conversion_is_exact():
     """The kernels' half <-> float conversions equal NumPy's on every f16 value (nearest even)."""
     kv = FAST.kv_layer(4, 1, 8, 8, np.float16)
