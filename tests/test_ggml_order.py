@@ -86,17 +86,34 @@ def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
 def test_batches_of_eight_or_more_take_the_tiled_order(ggml_type):
     """From 8 tokens on llama.cpp multiplies K-quants with its tiled kernel (Q4_K: when it does
     not repack it, i.e. the row count is not a multiple of 8): another float order."""
-    n_rows = 20 if ggml_type == T.Q4_K else 24
+    n_rows = 20 if ggml_type == T.Q4_K else 27  # 27: a chunk of rows is cut short
     raw = _weights(ggml_type, n_rows=n_rows)
     m = cpu.bind(ggml_type, raw, 1024)
-    x = _x(9)
-    out = np.empty((9, n_rows), np.float32)
+    x = _x(11)  # two groups of four tokens and three left over
+    out = np.empty((11, n_rows), np.float32)
     m.matmul(x, out)
     name = ggml_type.name.lower()
-    for t in range(9):
+    for t in range(11):
         xq, xd, xs, _ = cpu.quantize("q8_k", x[t]).parts
         np.testing.assert_array_equal(out[t], ref.rowdot_tiled(name, raw, xq, xd, xs), err_msg=f"token {t}")
     assert not np.array_equal(out[0], _reference(ggml_type, raw, x[0]))  # not the one-token order
+
+
+@pytest.mark.parametrize("n_tok", [10, 13])
+def test_repacked_q4_k_batches_take_four_tokens_per_pair_then_one_per_super_block(n_tok):
+    """Q4_K with a row count that is a multiple of 8 (llama.cpp repacks it): every batch size
+    takes the repacked order, its four-token steps per pair of sub-blocks and the tokens past
+    the last group of four the one-token order."""
+    raw = _weights(T.Q4_K, n_rows=24)
+    m = cpu.bind(T.Q4_K, raw, 1024)
+    x = _x(n_tok)
+    out = np.empty((n_tok, 24), np.float32)
+    m.matmul(x, out)
+    n_gemm = n_tok - n_tok % 4
+    for t in range(n_tok):
+        np.testing.assert_array_equal(out[t], _reference(T.Q4_K, raw, x[t], per_pair=t < n_gemm),
+                                      err_msg=f"token {t}")
+    assert not np.array_equal(out[0], _reference(T.Q4_K, raw, x[0], per_pair=False))
 
 
 @pytest.mark.parametrize("ggml_type", [T.F16, T.BF16])

@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import rowdot4_q4_k, rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k
+from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
+                                        sbdot1_min, sbdot4, sbdot4_min, q4_k_step1, q4_k_step4)
 
 QK_K = 256
 ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
@@ -215,21 +216,52 @@ def matvec_q4_k(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def matmul_q4_k(raw, xq, xd, xs, xm, out):
+    """The repacked Q4_K order for a batch (see _row_q4_k): four tokens at a time with a step per
+    pair of sub-blocks, the rest of the tokens with one per super-block. A chunk of rows is
+    unpacked once (as for matmul_tiled) and the tokens pass over it."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
-    rb = U(raw.shape[1])
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        r0 = c * ROW_CHUNK
-        r1 = min(r0 + ROW_CHUNK, n_rows)
+    xstride = nb * U(QK_K)
+    gstride = nb * U(16)
+    for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
+        r0 = c * TILED_ROWS
+        nr = min(TILED_ROWS, n_rows - r0)
+        n_sb = U(nr) * nb
+        wq = np.empty(n_sb * U(256), np.uint8)
+        sc = np.empty(n_sb * U(128), np.int16)
+        cm = np.empty(n_sb * U(32), np.int16)
+        dw = np.empty(n_sb, F32)
+        dm = np.empty(n_sb, F32)
+        scg = np.empty(16, I32)
+        for i in range(nr):
+            row = raw[r0 + i]
+            for j in range(nb):
+                k = U(i) * nb + j
+                o = j * U(Q4_K_BYTES)
+                _unpack_sb(4, row, o, wq, sc, cm, k, scg)
+                dw[k] = load_f16(row, o)
+                dm[k] = load_f16(row, o + U(2))
         for t in range(0, n_gemm, 4):
-            ut = U(t)
-            for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_k(
-                    raw, U(r) * rb, xq, ut * nb * U(QK_K), nb * U(QK_K), xd, xs, ut * nb, nb, nb)
+            for i in range(nr):
+                z = F32(0.0)
+                accs = (z, z, z, z, z, z, z, z)
+                for j in range(nb):
+                    k = U(i) * nb + j
+                    ts = U(t) * nb + j
+                    accs = q4_k_step4(wq, k * U(256), sc, k * U(128), cm, k * U(32), xq, ts * U(QK_K), xstride,
+                                      xs, ts * U(16), gstride, xd, ts, nb, dw[k], dm[k], accs)
+                for u in range(4):
+                    out[t + u, r0 + i] = accs[u] - accs[4 + u]
         for t in range(n_gemm, n_tok):
-            for r in range(r0, r1):
-                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+            for i in range(nr):
+                acc1 = (F32(0.0), F32(0.0))
+                for j in range(nb):
+                    k = U(i) * nb + j
+                    ts = U(t) * nb + j
+                    acc1 = q4_k_step1(wq, k * U(256), sc, k * U(128), cm, k * U(32), xq, ts * U(QK_K), xstride,
+                                      xs, ts * U(16), gstride, xd, ts, nb, dw[k], dm[k], acc1)
+                out[t, r0 + i] = acc1[0] - acc1[1]
 
 
 @njit(**JIT)
@@ -256,78 +288,59 @@ TILED_MIN = 8
 
 
 @njit(inline="always")
-def _sb_q2_k(row, o, xq, x0, xs, g0):
-    s1 = I32(0)
-    s2 = I32(0)
-    for c in range(U(2)):
-        for s in range(U(4)):
-            g = U(8) * c + U(2) * s
-            s1 += dot32_field(row, o + U(16) + U(32) * c, I32(2 * s), I32(3), xq, x0 + U(128) * c + U(32) * s,
-                              I32(row[o + g]) & I32(15), I32(row[o + g + U(1)]) & I32(15))
-    for g in range(U(16)):
-        s2 += (I32(row[o + g]) >> I32(4)) * xs[g0 + g]
-    return s1, s2
-
-
-@njit(inline="always")
-def _sb_q3_k(row, o, xq, x0, xs, g0):
-    s1 = I32(0)
-    for c in range(U(2)):
-        for s in range(U(4)):
-            g = U(8) * c + U(2) * s
-            sc0 = _q3_scale(row, o + U(96), g)
-            sc1 = _q3_scale(row, o + U(96), g + U(1))
-            xo = x0 + U(128) * c + U(32) * s
-            # q = low + 4 * high - 4
-            s1 += dot32_field(row, o + U(32) + U(32) * c, I32(2 * s), I32(3), xq, xo, sc0, sc1) \
-                + I32(4) * dot32_field(row, o, I32(4 * c + s), I32(1), xq, xo, sc0, sc1) \
-                - I32(4) * (sc0 * xs[g0 + g] + sc1 * xs[g0 + g + U(1)])
-    return s1, I32(0)
-
-
-@njit(inline="always")
-def _sb_q45_k(row, o, xq, x0, xs, g0, qs, qh):
-    """Q4_K (qh < 0) or Q5_K (5th bits at byte qh of the block); nibbles at byte qs."""
-    s1 = I32(0)
-    s2 = I32(0)
-    for b in range(U(8)):
-        sc, mn = _scale_min(row, o + U(4), b)
-        xo = x0 + U(32) * b
-        s1 += dot32_field(row, o + qs + U(32) * (b >> U(1)), I32(4 * (b & U(1))), I32(15), xq, xo, sc, sc)
-        if qh >= 0:
-            s1 += I32(16) * dot32_field(row, o + U(qh), I32(b), I32(1), xq, xo, sc, sc)
-        s2 += mn * (xs[g0 + U(2) * b] + xs[g0 + U(2) * b + U(1)])
-    return s1, s2
-
-
-@njit(inline="always")
-def _sb_q6_k(row, o, xq, x0, xs, g0):
-    s1 = I32(0)
-    for h in range(U(2)):
-        for t in range(U(4)):
-            g = U(8) * h + U(2) * t
-            sc0 = I32(np.int8(row[o + U(192) + g]))
-            sc1 = I32(np.int8(row[o + U(193) + g]))
-            xo = x0 + U(128) * h + U(32) * t
-            s1 += dot32_field(row, o + U(64) * h + U(32) * (t & U(1)), I32(4 * (t >> U(1))), I32(15), xq, xo,
-                              sc0, sc1) \
-                + I32(16) * dot32_field(row, o + U(128) + U(32) * h, I32(2 * t), I32(3), xq, xo, sc0, sc1)
-    for g in range(U(16)):
-        s1 -= I32(32) * I32(np.int8(row[o + U(192) + g])) * xs[g0 + g]
-    return s1, I32(0)
-
-
-@njit(inline="always")
-def _sb(kind, row, o, xq, x0, xs, g0):
+def _unpack_sb(kind, row, o, wq, sc, cm, k, scg):
+    """Super-block k of a row tile, from the Q<kind>_K block at byte o of row, as unsigned codes
+    wq[256 k + i] (code = q + offset, 0..63), the scale of each pair of weights sc[128 k + p]
+    and, per group g of 16, cm[32 k + g] = -offset * scale and cm[32 k + 16 + g] = min, so that
+    for a token's x: s1 = sum sc * code * x + sum corr * xs and s2 = sum min * xs (xs: x's sums
+    per 16; see rowdot.sbdot_tile). scg: scratch for the 16 group scales."""
+    w0 = U(256) * k
+    g0 = U(32) * k
     if kind == 2:
-        return _sb_q2_k(row, o, xq, x0, xs, g0)
-    if kind == 3:
-        return _sb_q3_k(row, o, xq, x0, xs, g0)
-    if kind == 4:
-        return _sb_q45_k(row, o, xq, x0, xs, g0, U(16), -1)
-    if kind == 5:
-        return _sb_q45_k(row, o, xq, x0, xs, g0, U(48), 16)
-    return _sb_q6_k(row, o, xq, x0, xs, g0)
+        for c in range(U(2)):
+            for s in range(U(4)):
+                for l in range(U(32)):
+                    wq[w0 + U(128) * c + U(32) * s + l] = (row[o + U(16) + U(32) * c + l] >> U(2 * s)) & U(3)
+        for g in range(U(16)):
+            scg[g] = I32(row[o + g]) & I32(15)
+            cm[g0 + g] = 0
+            cm[g0 + U(16) + g] = I32(row[o + g]) >> I32(4)
+    elif kind == 3:  # q = low 2 bits + 4 * hmask bit - 4
+        for c in range(U(2)):
+            for s in range(U(4)):
+                for l in range(U(32)):
+                    wq[w0 + U(128) * c + U(32) * s + l] = ((row[o + U(32) + U(32) * c + l] >> U(2 * s)) & U(3)) \
+                        | (((row[o + l] >> U(4 * c + s)) & U(1)) << U(2))
+        for g in range(U(16)):
+            scg[g] = _q3_scale(row, o + U(96), g)
+            cm[g0 + g] = I32(-4) * scg[g]
+            cm[g0 + U(16) + g] = 0
+    elif kind == 6:  # q = 6-bit code - 32
+        for h in range(U(2)):
+            for t in range(U(4)):
+                for l in range(U(32)):
+                    lo = (row[o + U(64) * h + U(32) * (t & U(1)) + l] >> U(4 * (t >> U(1)))) & U(15)
+                    hi = (row[o + U(128) + U(32) * h + l] >> U(2 * t)) & U(3)
+                    wq[w0 + U(128) * h + U(32) * t + l] = lo | (hi << U(4))
+        for g in range(U(16)):
+            scg[g] = I32(np.int8(row[o + U(192) + g]))
+            cm[g0 + g] = I32(-32) * scg[g]
+            cm[g0 + U(16) + g] = 0
+    else:  # Q4_K, Q5_K: sub-blocks of 32 with a scale and a min
+        qs = U(16) if kind == 4 else U(48)
+        for b in range(U(8)):
+            sc_b, mn_b = _scale_min(row, o + U(4), b)
+            for l in range(U(32)):
+                q = (row[o + qs + U(32) * (b >> U(1)) + l] >> U(4 * (b & U(1)))) & U(15)
+                if kind == 5:
+                    q |= ((row[o + U(16) + l] >> b) & U(1)) << U(4)
+                wq[w0 + U(32) * b + l] = q
+            for g in range(U(2) * b, U(2) * b + U(2)):
+                scg[g] = sc_b
+                cm[g0 + g] = 0
+                cm[g0 + U(16) + g] = mn_b
+    for p in range(U(128)):
+        sc[U(128) * k + p] = scg[p >> U(3)]
 
 
 # by kind (2..6): bytes per super-block, byte offset of d, of dmin (-1: no mins)
@@ -336,31 +349,84 @@ _SB_LAYOUT = ((0, 0, 0), (0, 0, 0), (Q2_K_BYTES, 80, 82), (Q3_K_BYTES, 108, -1),
 
 
 @njit(inline="always")
-def _row_tiled(kind, row, xq, xd, xs, t, nb):
-    """Row `row` times token t's x in llama.cpp's tiled order (see above)."""
-    size, od, om = _SB_LAYOUT[kind]
-    acc = F32(0.0)
-    for j in range(nb):
-        i = t * nb + j
-        o = j * U(size)
-        s1, s2 = _sb(kind, row, o, xq, i * U(QK_K), xs, i * U(16))
-        res = load_f16(row, o + U(od)) * F32(s1)
-        if om >= 0:
-            res = fma32(-load_f16(row, o + U(om)), F32(s2), res)
-        acc = fma32(res, xd[i], acc)
-    return acc
+def _tiled_step(s1, s2, dw, dm, dx, has_min, acc):
+    """llama.cpp's tiled float steps for one super-block."""
+    res = dw * F32(s1)
+    if has_min:
+        res = fma32(-dm, F32(s2), res)
+    return fma32(res, dx, acc)
+
+
+TILED_ROWS = 8  # rows unpacked together (their codes and pair scales, 4 KiB per 1024 columns)
 
 
 @njit(**JIT)
 def matmul_tiled(kind, raw, xq, xd, xs, out):
-    """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order."""
+    """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order. A chunk
+    of rows is unpacked once (codes, pair scales, corrections) and the tokens pass over it four
+    at a time."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
-    for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
-        for r in range(c * ROW_CHUNK, min(c * ROW_CHUNK + ROW_CHUNK, n_rows)):
-            row = raw[r]
-            for t in range(n_tok):
-                out[t, r] = _row_tiled(kind, row, xq, xd, xs, U(t), nb)
+    size, od, om = _SB_LAYOUT[kind]
+    has_min = om >= 0
+    n4 = n_tok - n_tok % 4
+    xstride = nb * U(QK_K)
+    gstride = nb * U(16)
+    for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
+        r0 = c * TILED_ROWS
+        nr = min(TILED_ROWS, n_rows - r0)
+        n_sb = U(nr) * nb
+        wq = np.empty(n_sb * U(256), np.uint8)
+        sc = np.empty(n_sb * U(128), np.int16)
+        cm = np.empty(n_sb * U(32), np.int16)
+        dw = np.empty(n_sb, F32)
+        dm = np.zeros(n_sb, F32)
+        scg = np.empty(16, I32)
+        for i in range(nr):
+            row = raw[r0 + i]
+            for j in range(nb):
+                k = U(i) * nb + j
+                o = j * U(size)
+                _unpack_sb(kind, row, o, wq, sc, cm, k, scg)
+                dw[k] = load_f16(row, o + U(od))
+                if has_min:
+                    dm[k] = load_f16(row, o + U(om))
+        for t in range(0, n4, 4):
+            for i in range(nr):
+                a0 = a1 = a2 = a3 = F32(0.0)
+                for j in range(nb):
+                    k = U(i) * nb + j
+                    ts = U(t) * nb + j
+                    if has_min:
+                        p0, p1, p2, p3, m0, m1, m2, m3 = sbdot4_min(wq, k * U(256), sc, k * U(128), cm, k * U(32),
+                                                                    xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
+                    else:
+                        p0, p1, p2, p3 = sbdot4(wq, k * U(256), sc, k * U(128), cm, k * U(32),
+                                                xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
+                        m0 = m1 = m2 = m3 = I32(0)
+                    a0 = _tiled_step(p0, m0, dw[k], dm[k], xd[ts], has_min, a0)
+                    a1 = _tiled_step(p1, m1, dw[k], dm[k], xd[ts + nb], has_min, a1)
+                    a2 = _tiled_step(p2, m2, dw[k], dm[k], xd[ts + U(2) * nb], has_min, a2)
+                    a3 = _tiled_step(p3, m3, dw[k], dm[k], xd[ts + U(3) * nb], has_min, a3)
+                out[t, r0 + i] = a0
+                out[t + 1, r0 + i] = a1
+                out[t + 2, r0 + i] = a2
+                out[t + 3, r0 + i] = a3
+        for t in range(n4, n_tok):
+            for i in range(nr):
+                a = F32(0.0)
+                for j in range(nb):
+                    k = U(i) * nb + j
+                    ts = U(t) * nb + j
+                    if has_min:
+                        p, m = sbdot1_min(wq, k * U(256), sc, k * U(128), cm, k * U(32),
+                                          xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
+                    else:
+                        p = sbdot1(wq, k * U(256), sc, k * U(128), cm, k * U(32),
+                                   xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
+                        m = I32(0)
+                    a = _tiled_step(p, m, dw[k], dm[k], xd[ts], has_min, a)
+                out[t, r0 + i] = a
 
 
 KERNELS = {

@@ -34,6 +34,7 @@ from edgellm.kernels.cpu.common import AVX2, _abs_sign, _fn, _i8, _i16, _i32, _s
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
+_F32x4 = ir.VectorType(_F32, 4)
 
 
 def const(v):
@@ -279,6 +280,12 @@ def _scaled_quads(builder, u8, s8, sc0, sc1):
     sc = builder.shuffle_vector(_splat(builder, builder.trunc(sc0, ir.IntType(16)), _i16(16)),
                                 _splat(builder, builder.trunc(sc1, ir.IntType(16)), _i16(16)),
                                 ir.Constant(_i32(16), list(range(8)) + list(range(24, 32))))
+    return _pair_scaled(builder, u8, s8, sc)
+
+
+def _pair_scaled(builder, u8, s8, sc):
+    """<8 x i32>: lane j = sc[2j] * (u8[4j] s8[4j] + u8[4j+1] s8[4j+1]) + sc[2j+1] * (the next
+    pair); sc <16 x i16>, one scale per pair of bytes; u8 in 0..63 (pair sums fit int16)."""
     if AVX2:
         p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
         return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [p16, sc])
@@ -344,6 +351,163 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         return _hsum8(builder, acc)
 
     return sig, codegen
+
+
+def sbdot_tile(n_tok, with_min):
+    """Exact integer sums of K-quant super-blocks unpacked to unsigned codes, for n_tok tokens:
+
+        sbdot(wq, w_off, sc, s_off, cm, c_off, xq, x_off, x_stride, xs, xs_off, xs_stride)
+        s1[t] = sum_{i<256} sc[s_off + i // 2] * wq[w_off + i] * xq[x_off + t x_stride + i]
+                + sum_{g<16} cm[c_off + g] * xs[xs_off + t xs_stride + g]
+        s2[t] = sum_{g<16} cm[c_off + 16 + g] * xs[...]       (with_min only)
+
+    wq uint8 codes in 0..63, sc int16 (one scale per pair of weights), cm int16 (per group of
+    16: the correction for the codes' offset, then the min), xq int8, xs int32 (x's sums per 16,
+    |xs| < 2^15). Returns (s1[0], .., s1[n-1], then s2[..] with mins); codes, scales and
+    corrections are loaded once for the n_tok tokens."""
+    n_ret = n_tok * (2 if with_min else 1)
+
+    @intrinsic
+    def sbdot(typingctx, wq, w_off, sc, s_off, cm, c_off, xq, x_off, x_stride, xs, xs_off, xs_stride):
+        ret = types.UniTuple(types.int32, n_ret) if n_ret > 1 else types.int32
+        u64 = types.uint64
+        sig = ret(wq, u64, sc, u64, cm, u64, xq, u64, u64, xs, u64, u64)
+
+        def codegen(context, builder, signature, args):
+            (wq_, w_off_, sc_, s_off_, cm_, c_off_, xq_, x_off_, x_stride_, xs_, xs_off_, xs_stride_) = args
+            wp = _ptr(context, builder, signature.args[0], wq_)
+            sp = _ptr(context, builder, signature.args[2], sc_)
+            cp = _ptr(context, builder, signature.args[4], cm_)
+            xp = _ptr(context, builder, signature.args[6], xq_)
+            gp = _ptr(context, builder, signature.args[9], xs_)
+            reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_i32(8)])
+            xo = [builder.add(x_off_, builder.mul(const(t), x_stride_)) for t in range(n_tok)]
+            go = [builder.add(xs_off_, builder.mul(const(t), xs_stride_)) for t in range(n_tok)]
+            xs16 = [builder.trunc(_load_vec(builder, gp, go[t], _i32(16)), _i16(16)) for t in range(n_tok)]
+            corr = _load_vec(builder, cp, c_off_, _i16(16))
+            sums = [_madd16(builder, corr, xs16[t]) for t in range(n_tok)]
+            for c in range(8):
+                w = _load_vec(builder, wp, builder.add(w_off_, const(32 * c)), _i8(32))
+                s = _load_vec(builder, sp, builder.add(s_off_, const(16 * c)), _i16(16))
+                for t in range(n_tok):
+                    y = _load_vec(builder, xp, builder.add(xo[t], const(32 * c)), _i8(32))
+                    sums[t] = builder.add(sums[t], _pair_scaled(builder, w, y, s))
+            results = [builder.call(reduce, [v]) for v in sums]
+            if with_min:
+                mins = _load_vec(builder, cp, builder.add(c_off_, const(16)), _i16(16))
+                results += [builder.call(reduce, [_madd16(builder, mins, xs16[t])]) for t in range(n_tok)]
+            return context.make_tuple(builder, ret, results) if n_ret > 1 else results[0]
+
+        return sig, codegen
+
+    return sbdot
+
+
+def q4_k_unpacked_step(n_tok, per_pair):
+    """One super-block of an unpacked Q4_K row (codes, pair scales and mins as sbdot_tile takes
+    them) for n_tok tokens, in the repacked Q4_K kernels' float order:
+
+        accs = step(wq, w_off, sc, s_off, cm, c_off, xq, x_off, x_stride, xs, xs_off, xs_stride,
+                    xd, xd_off, xd_stride, d_w, dmin_w, accs)
+
+    accs = (acc[0..n), acc_m[0..n)); per token d = d_w * d_x, dmin = dmin_w * d_x, then per pair
+    of sub-blocks (per_pair, the four-token gemm) or once for the super-block (the one-token
+    gemv): acc = fma(f32(isum), d, acc), acc_m = fma(f32(msum), dmin, acc_m) with the exact
+    integer sums of sc * q * x and of min * (x sums)."""
+
+    @intrinsic
+    def step(typingctx, wq, w_off, sc, s_off, cm, c_off, xq, x_off, x_stride, xs, xs_off, xs_stride,
+             xd, xd_off, xd_stride, d_w, dmin_w, accs):
+        u64, f32 = types.uint64, types.float32
+        tup = types.UniTuple(f32, 2 * n_tok)
+        sig = tup(wq, u64, sc, u64, cm, u64, xq, u64, u64, xs, u64, u64, xd, u64, u64, f32, f32, tup)
+
+        def codegen(context, builder, signature, args):
+            (wq_, w_off_, sc_, s_off_, cm_, c_off_, xq_, x_off_, x_stride_, xs_, xs_off_, xs_stride_,
+             xd_, xd_off_, xd_stride_, dw, dmw, accs_) = args
+            wp = _ptr(context, builder, signature.args[0], wq_)
+            sp = _ptr(context, builder, signature.args[2], sc_)
+            cp = _ptr(context, builder, signature.args[4], cm_)
+            xp = _ptr(context, builder, signature.args[6], xq_)
+            gp = _ptr(context, builder, signature.args[9], xs_)
+            dp = _ptr(context, builder, signature.args[12], xd_)
+            reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_i32(8)])
+            mins = _load_vec(builder, cp, builder.add(c_off_, const(16)), _i16(16))
+            acc = [builder.extract_value(accs_, k) for k in range(2 * n_tok)]
+
+            def lane(v, i):
+                return builder.extract_element(v, ir.Constant(ir.IntType(32), i))
+
+            for t in range(n_tok):
+                xo = builder.add(x_off_, builder.mul(const(t), x_stride_))
+                go = builder.add(xs_off_, builder.mul(const(t), xs_stride_))
+                dx = builder.load(builder.gep(dp, [builder.add(xd_off_, builder.mul(const(t), xd_stride_))]))
+                d, dmin = builder.fmul(dw, dx), builder.fmul(dmw, dx)
+                m = _madd16(builder, mins, builder.trunc(_load_vec(builder, gp, go, _i32(16)), _i16(16)))
+                msums = _pair_adds(builder, m)  # <4 x i32>: pair c of sub-blocks
+                parts = []
+                for c in range(4):
+                    lanes = None
+                    for k in (2 * c, 2 * c + 1):
+                        w = _load_vec(builder, wp, builder.add(w_off_, const(32 * k)), _i8(32))
+                        s = _load_vec(builder, sp, builder.add(s_off_, const(16 * k)), _i16(16))
+                        y = _load_vec(builder, xp, builder.add(xo, const(32 * k)), _i8(32))
+                        v = _pair_scaled(builder, w, y, s)
+                        lanes = v if lanes is None else builder.add(lanes, v)
+                    parts.append(lanes)
+                isums = _reduce4(builder, parts)  # <4 x i32>
+                if per_pair:
+                    fi, fm = builder.sitofp(isums, _F32x4), builder.sitofp(msums, _F32x4)
+                    for c in range(4):
+                        acc[t] = _fma(builder, lane(fi, c), d, acc[t])
+                        acc[n_tok + t] = _fma(builder, lane(fm, c), dmin, acc[n_tok + t])
+                else:
+                    reduce4 = _fn(builder, "llvm.vector.reduce.add.v4i32", ir.IntType(32), [_i32(4)])
+                    acc[t] = _fma(builder, builder.sitofp(builder.call(reduce4, [isums]), _F32), d, acc[t])
+                    acc[n_tok + t] = _fma(builder, builder.sitofp(builder.call(reduce4, [msums]), _F32), dmin,
+                                          acc[n_tok + t])
+            return context.make_tuple(builder, signature.return_type, acc)
+
+        return sig, codegen
+
+    return step
+
+
+q4_k_step4 = q4_k_unpacked_step(4, True)
+q4_k_step1 = q4_k_unpacked_step(1, False)
+
+
+def _pair_adds(builder, v):
+    """<4 x i32>: v[2c] + v[2c + 1] of a <8 x i32>."""
+    return builder.add(builder.shuffle_vector(v, v, ir.Constant(_i32(4), [0, 2, 4, 6])),
+                       builder.shuffle_vector(v, v, ir.Constant(_i32(4), [1, 3, 5, 7])))
+
+
+def _reduce4(builder, vs):
+    """<4 x i32>: the lane sums of four <8 x i32> (integers: any order is exact), in three rounds
+    of shuffles and adds instead of four full reductions."""
+    def fold(a, b, lo, hi):
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(_i32(8), lo)),
+                           builder.shuffle_vector(a, b, ir.Constant(_i32(8), hi)))
+
+    a = fold(vs[0], vs[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+    b = fold(vs[2], vs[3], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+    return _pair_adds(builder, fold(a, b, [0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]))
+
+
+def _madd16(builder, a, b):
+    """<8 x i32>: lane j = a[2j] b[2j] + a[2j+1] b[2j+1] of two <16 x i16> (pmaddwd)."""
+    if AVX2:
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [a, b])
+    prod = builder.mul(builder.sext(a, _i32(16)), builder.sext(b, _i32(16)))
+    return builder.add(builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), list(range(0, 16, 2)))),
+                       builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), list(range(1, 16, 2)))))
+
+
+sbdot1 = sbdot_tile(1, False)
+sbdot4 = sbdot_tile(4, False)
+sbdot1_min = sbdot_tile(1, True)
+sbdot4_min = sbdot_tile(4, True)
 
 
 # --- four tokens at a time ---------------------------------------------------------------------
@@ -518,69 +682,6 @@ def axpy_f16(typingctx, v, v_off, p, acc, acc_off, n):
             aptr = builder.bitcast(builder.gep(ap, [builder.add(acc_off_, o)]), _V8F.as_pointer())
             builder.store(_fma(builder, vf, pv, builder.load(aptr, align=4)), aptr, align=4)
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def rowdot4_q4_k(typingctx, w, w_off, xq, x_off, x_stride, xd, xs, b_off, b_stride, nb):
-    """Four tokens of a Q4_K row (144-byte super-blocks: d, dmin, scales[12], qs[128]) in the order
-    of ggml's repacked four-token kernel (gemm): per pair of 32-weight sub-blocks the exact integer
-    sums of sc * q * x and of min * (x sums), acc = fma(isum, d_w * d_x, acc) and acc_m likewise
-    with dmin; result acc - acc_m. The super-block is unpacked once for the four tokens."""
-    ret = types.UniTuple(types.float32, TILE)
-    sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xs, types.uint64, types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        w_, w_off_, xq_, x_off_, x_stride_, xd_, xs_, b_off_, b_stride_, nb_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[2], xq_)
-        dp = _ptr(context, builder, signature.args[5], xd_)
-        sp = _ptr(context, builder, signature.args[6], xs_)
-        i32 = ir.IntType(32)
-
-        zero = ir.Constant(_F32, 0.0)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
-        accms = [cgutils.alloca_once_value(builder, zero) for _ in range(TILE)]
-        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", i32, [_i32(8)])
-        with cgutils.for_range(builder, nb_) as loop:
-            i = loop.index
-            o = builder.add(w_off_, builder.mul(i, const(144)))
-            dw = _load_half(builder, wp, o)
-            dmw = _load_half(builder, wp, builder.add(o, const(2)))
-            scm = [_k_scale_min(builder, wp, builder.add(o, const(4)), b) for b in range(8)]
-            nib = []
-            for c in range(4):
-                raw = _load_vec(builder, wp, builder.add(o, const(16 + 32 * c)), _i8(32))
-                nib.append((builder.and_(raw, ir.Constant(_i8(32), [15] * 32)),
-                            builder.lshr(raw, ir.Constant(_i8(32), [4] * 32))))
-            for tok in range(TILE):
-                tt = const(tok)
-                bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
-                xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)), builder.mul(i, const(256)))
-                dx = builder.load(builder.gep(dp, [bi]))
-                d = builder.fmul(dw, dx)
-                dmin = builder.fmul(dmw, dx)
-                s16 = builder.mul(bi, const(16))
-                acc, accm = builder.load(accs[tok]), builder.load(accms[tok])
-                for c in range(4):
-                    y0 = _load_vec(builder, xp, builder.add(xo, const(64 * c)), _i8(32))
-                    y1 = _load_vec(builder, xp, builder.add(xo, const(64 * c + 32)), _i8(32))
-                    lanes = builder.add(_scaled_quads(builder, nib[c][0], y0, scm[2 * c][0], scm[2 * c][0]),
-                                        _scaled_quads(builder, nib[c][1], y1, scm[2 * c + 1][0], scm[2 * c + 1][0]))
-                    isum = builder.call(reduce, [lanes])
-
-                    def bsum(k):
-                        return builder.load(builder.gep(sp, [builder.add(s16, const(k))]))
-
-                    msum = builder.add(builder.mul(scm[2 * c][1], builder.add(bsum(4 * c), bsum(4 * c + 1))),
-                                       builder.mul(scm[2 * c + 1][1], builder.add(bsum(4 * c + 2), bsum(4 * c + 3))))
-                    acc = _fma(builder, builder.sitofp(isum, _F32), d, acc)
-                    accm = _fma(builder, builder.sitofp(msum, _F32), dmin, accm)
-                builder.store(acc, accs[tok])
-                builder.store(accm, accms[tok])
-        results = [builder.fsub(builder.load(a), builder.load(m)) for a, m in zip(accs, accms)]
-        return context.make_tuple(builder, ret, results)
 
     return sig, codegen
 
