@@ -247,7 +247,16 @@ class CPUBackend(NumpyBackend):
         is converted to each activation format once."""
         if x.shape[0] == 1 and all(isinstance(w, QMatrix) for w in ws):
             self.kernels.matvec_many([self._matrix(w) for w in ws], x[0], [o[0] for o in outs])
-        else:  # batches, and subclasses with weights of their own (the reference backend)
+        elif x.shape[0] > 1 and all(isinstance(w, QMatrix) for w in ws):
+            converted = {}  # a batch is converted once per activation format
+            for w, out in zip(ws, outs):
+                m = self._matrix(w)
+                xa = converted.get(m.act_format)
+                if xa is None:
+                    xa = converted[m.act_format] = m.quantize_batch(x)
+                if not m.matmul_act(xa, out):
+                    m.matmul(x, out)
+        else:  # subclasses with weights of their own (the reference backend)
             for w, out in zip(ws, outs):
                 self.linear(w, x, out)
 
@@ -290,8 +299,16 @@ class CPUBackend(NumpyBackend):
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
         # ggml's order: vec_dot_f16's four accumulators for one token, tinyBLAS's one for a batch
-        n_acc = 4 if q.shape[0] == 1 else 1
-        self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), n_acc, out)
+        z = kc.dtype.type(0)
+        if q.shape[0] == 1:
+            self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), 4, out, z)
+            return
+        # a batch: V transposed (keys contiguous per element, as ggml stores it), zero-padded to
+        # a multiple of 8 keys
+        used = kv.n_used
+        vt = np.zeros((vc.shape[1], vc.shape[2], -(-used // 8) * 8), vc.dtype)
+        vt[:, :, :used] = vc[:used].transpose(1, 2, 0)
+        self.ops.attend_batch(q, kc, vt, kv.pos, used, pos, kv.window, F32(scale), out, z)
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:

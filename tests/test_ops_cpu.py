@@ -187,9 +187,9 @@ def test_f16_cache_conversion_is_exact():
     bits = np.arange(65536, dtype=np.uint16).reshape(-1, 1, 8)
     finite = np.isfinite(bits.view(np.float16)).all(axis=(1, 2))
     src = bits[finite]
-    out = np.empty((1, src.shape[0], 8), F32)
+    out = np.empty((src.shape[0], 1, 8), F32)
     FAST.ops.cache_to_f32(src, out)
-    np.testing.assert_array_equal(out[0], src[:, 0].view(np.float16).astype(F32))
+    np.testing.assert_array_equal(out[:, 0], src[:, 0].view(np.float16).astype(F32))
     x = np.concatenate([randn(4000, scale=1e-5), randn(4000, scale=10.0), randn(4000, scale=3e4)])
     x = x.reshape(-1, 1, 8)
     rounded = np.empty_like(x)

@@ -175,16 +175,17 @@ def quantize(fmt: str, x: np.ndarray) -> Activation:
     return _quantize(fmt, x)
 
 
-def _quantize(fmt: str, x: np.ndarray) -> Activation:
+def _quantize(fmt: str, x: np.ndarray, batch: bool = False) -> Activation:
+    """x in format fmt; batch: x is a prompt batch's rows end to end (converted by all threads)."""
     n = x.shape[0]
     if fmt == "q8_32":
         parts = (np.empty(n, np.int8), np.empty(n >> 5, np.float32), np.empty(n >> 5, np.int32),
                  np.empty(n >> 5, np.float32))
-        _common.quantize_q8_32(x, *parts)
+        (_common.quantize_q8_32_batch if batch else _common.quantize_q8_32)(x, *parts)
     elif fmt == "q8_k":
         parts = (np.empty(n, np.int8), np.empty(n >> 8, np.float32), np.empty(n >> 4, np.int32),
                  np.empty(0, np.float32))
-        _common.quantize_q8_k(x, *parts)
+        (_common.quantize_q8_k_batch if batch else _common.quantize_q8_k)(x, *parts)
     elif fmt == "f32":
         parts = (x,)
     else:
@@ -297,6 +298,20 @@ class Matrix:
             _requantize_into(xa, x)
         self.matvec_act(xa, out)
 
+    def quantize_batch(self, x: np.ndarray) -> Activation:
+        """A batch x (n_tok, n_cols) in this matrix's activation format, its rows end to end (what
+        matmul_act takes; shared by matrices of the same format)."""
+        return _quantize(self.act_format, x.reshape(-1), batch=True)
+
+    def matmul_act(self, xa: Activation, out: np.ndarray) -> bool:
+        """out (n_tok, n_rows) = x @ W.T for x from quantize_batch; False (nothing done) for the
+        types whose batches take another path (use matmul)."""
+        exact = _matmul_kernel(self.ggml_type)
+        if exact is None or xa.format != self.act_format or xa.n != out.shape[0] * self.n_cols:
+            return False
+        exact(self.raw, *xa.parts, _floats("out", out, (out.shape[0], self.n_rows), True))
+        return True
+
     def matvec_act(self, xa: Activation, out: np.ndarray) -> None:
         """out float32 (n_rows,) = W @ x for x already converted by `quantize(act_format, x)`."""
         if xa.format != self.act_format or xa.n != self.n_cols:
@@ -324,8 +339,7 @@ class Matrix:
             return
         exact = _matmul_kernel(self.ggml_type)
         if exact is not None:  # the same row dot products as matvec, in llama.cpp's order
-            xa = _quantize(self.act_format, x.reshape(-1))
-            exact(self.raw, *xa.parts, out)
+            exact(self.raw, *self.quantize_batch(x).parts, out)
             return
         xr = requantize(self.act_format, x)
         if self.ggml_type in _Q8_1_WEIGHTS:

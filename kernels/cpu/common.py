@@ -217,6 +217,19 @@ def quantize_q8_k(x, xq, xd, xs, xm):
         _q8_k_block(x, b * U(QK_K), xq, xd, xs, b)
 
 
+# A prompt batch (all its tokens' rows as one x) in parallel: the same blocks, split between threads.
+@njit(cache=True, nogil=True, parallel=True)
+def quantize_q8_32_batch(x, xq, xd, xs, xm):
+    for b in prange(U(x.size // QK_X)):
+        _q8_32_block(x, b * U(QK_X), xq, xd, xs, xm, b)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def quantize_q8_k_batch(x, xq, xd, xs, xm):
+    for b in prange(U(x.size // QK_K)):
+        _q8_k_block(x, b * U(QK_K), xq, xd, xs, b)
+
+
 @njit(cache=True, nogil=True)
 def quantize_f16(x, out):
     for j in range(U(x.size)):
@@ -455,11 +468,9 @@ def expf_ggml(x):
     k = u32_as_f32(np.uint32((e + U(0x3F800000)) & U(0xFFFFFFFF)))
     u = b * b
     j = fma32(fma32(fma32(_EXP_C[0], b, _EXP_C[1]), u, fma32(_EXP_C[2], b, _EXP_C[3])), u, _EXP_C[4] * b)
-    if not abs(n) > F32(126.0):
-        return fma32(j, k, k)
+    # both of ggml's branches computed and one selected: no jumps, so loops of it vectorize
     g = U(0x82000000) if n <= F32(0.0) else U(0)
     s1 = u32_as_f32(np.uint32((g + U(0x7F000000)) & U(0xFFFFFFFF)))
-    if abs(n) > F32(192.0):
-        return s1 * s1
     s2 = u32_as_f32(np.uint32((e - g) & U(0xFFFFFFFF)))
-    return fma32(s2, j, s2) * s1
+    big = s1 * s1 if abs(n) > F32(192.0) else fma32(s2, j, s2) * s1
+    return big if abs(n) > F32(126.0) else fma32(j, k, k)

@@ -112,7 +112,7 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
         else:
             _rows(tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv)
     prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, q_scale)
-    attend_ggml(q, kc, vc, kpos, used, pos, window, scale, 4, att)
+    attend_ggml(q, kc, vc, kpos, used, pos, window, scale, 4, att, kc[0, 0, 0])
     # output projection, residual, ffn norm
     n_att = att.shape[1]
     _quantize(att[0], a32, ak, not _is_k(tids[3]), _is_k(tids[3]))

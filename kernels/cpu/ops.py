@@ -28,7 +28,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgellm.kernels.cpu.common import U, expf_ggml, fma32  # noqa: E402
-from edgellm.kernels.cpu.rowdot import axpy_f16, dot_f16  # noqa: E402
+from edgellm.kernels.cpu.rowdot import axpy_f16, dot4_rows, dot_f16, pv_t  # noqa: E402
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -109,25 +109,27 @@ def add_rms_norm(x, o, post_w, next_w, eps, h):
         rms_norm(x, next_w, eps, h)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def silu_mul(gate, up, out):
     """out = gate / (1 + exp(-gate)) * up, float32 (rows, n), as ggml's swiglu: ggml's vectorized
-    exp for each full group of 8 of a row, the C library's expf for the rest."""
+    exp for each full group of 8 of a row, the C library's expf for the rest. Rows in parallel."""
     rows, n = gate.shape
     n8 = n // 8 * 8
-    for r in range(rows):
-        for i in range(n):
+    for r in prange(rows):
+        for i in range(n8):
             g = gate[r, i]
-            e = expf_ggml(-g) if i < n8 else np.exp(-g)
-            out[r, i] = g / (F32(1.0) + e) * up[r, i]
+            out[r, i] = g / (F32(1.0) + expf_ggml(-g)) * up[r, i]
+        for i in range(n8, n):
+            g = gate[r, i]
+            out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def gelu_mul(gate, up, table, out):
     """out = gelu(gate) * up, float32 (rows, n), as ggml's GEGLU: the f16 GELU table at gate
-    rounded to f16 for -10 < gate < 10, 0 below, gate itself above."""
+    rounded to f16 for -10 < gate < 10, 0 below, gate itself above. Rows in parallel."""
     rows, n = gate.shape
-    for r in range(rows):
+    for r in prange(rows):
         for i in range(n):
             g = gate[r, i]
             if g <= F32(-10.0):
@@ -233,12 +235,12 @@ def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, 
 # --- attention -----------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def cache_to_f32(c, out):
-    """out float32 (n_kv, used, hd) = cache slots [0, used) of c (size, n_kv, hd), head-major."""
-    n_kv, used, hd = out.shape
+    """out float32 (used, n_kv, hd) = cache slots [0, used) of c (size, n_kv, hd) (exact)."""
+    used, n_kv, hd = out.shape
     for j in prange(used):
         for h in range(n_kv):
             for d in range(hd):
-                out[h, j, d] = _load(c[j, h, d])
+                out[j, h, d] = _load(c[j, h, d])
 
 
 @njit(cache=True, nogil=True)
@@ -273,17 +275,19 @@ def _lanes_reduce(acc, n_acc):
     return (t0 + t2) + (t1 + t3)
 
 
-def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out):
+def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
     """Attention as `attend` computes it, with every sum in ggml's order: n_acc = 4 for a single
     token (vec_dot_f16), 1 for a batch (tinyBLAS). hd and hd_v must be multiples of 8. Keys a
     query may not see are skipped: their score is -inf and their probability 0 in ggml too, and
     adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
-    let the 8-lane loops vectorize."""
+    let the 8-lane loops vectorize. kc, vc: the cache, or (a batch) its slots [0, used)
+    converted to float32 once (cache_to_f32: exact, and each key then serves every query
+    without a conversion); z: a value of the cache's element type, the type q and the
+    probabilities are rounded to."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
     hdv = vc.shape[2]
     g = n_head // n_kv
-    z = kc[0, 0, 0]
     kf = kc.reshape(-1)
     vf = vc.reshape(-1)
     n_pad = (used + 7) // 8 * 8
@@ -344,3 +348,72 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out):
 
 
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
+    """What attend_ggml computes for a batch (n_acc = 1, tinyBLAS's order), bit for bit, faster.
+    kc: the cache's keys (size, n_kv, hd); vt: its values transposed, (n_kv, hdv, n_pad) with
+    n_pad a multiple of 8 >= used and zeros past `used` (as ggml keeps V transposed for this
+    product). Per query the loops stop after its last visible key; scores four keys at a time
+    (dot4_rows), the exps in one branch-free pass, probabilities times V^T four rows at a time
+    (pv_t; a key that is not visible adds 0 * v, as in ggml's matrix product)."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vt.shape[1]
+    n_pad = vt.shape[2]
+    g = n_head // n_kv
+    kf = kc.reshape(-1)
+    vf = vt.reshape(-1)
+    of = out.reshape(-1)
+    uhd, uhdv = U(hd), U(hdv)
+    kstride = U(n_kv) * uhd
+    n_pairs = n_tok * n_head
+    n_chunks = min(n_pairs, ATTN_CHUNKS)
+    for chunk in prange(n_chunks):
+        qr = np.empty(hd, F32)
+        s = np.empty(n_pad, F32)
+        for th in range(chunk, n_pairs, n_chunks):
+            t = th // n_head
+            h = th - t * n_head
+            kh = U(h // g)
+            p = pos[t]
+            for d in range(hd):
+                qr[d] = _load(_store(q[t, h, d], z))
+            end = 0  # one past the last visible key
+            for j in range(used):
+                kp = kpos[j]
+                if not (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
+                    end = j + 1
+            n_vis = (end + 7) // 8 * 8
+            for j0 in range(0, end - end % 4, 4):
+                s[j0], s[j0 + 1], s[j0 + 2], s[j0 + 3] = dot4_rows(kf, U(j0) * kstride + kh * uhd, kstride, qr, U(0), uhd)
+            for j in range(end - end % 4, end):
+                s[j] = dot_f16(kf, U(j) * kstride + kh * uhd, qr, U(0), uhd, 1)
+            m = NEG_INF
+            for j in range(end):
+                kp = kpos[j]
+                if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                    s[j] = NEG_INF
+                else:
+                    v = s[j] * scale
+                    s[j] = v
+                    if v > m:
+                        m = v
+            for j in range(end, n_vis):
+                s[j] = NEG_INF
+            for j in range(n_vis):
+                x = s[j]
+                e = expf_ggml(x - m)
+                s[j] = F32(0.0) if x == NEG_INF else e
+            total = 0.0
+            for c in range(0, n_vis, 8):
+                t0 = s[c] + s[c + 4]
+                t1 = s[c + 1] + s[c + 5]
+                t2 = s[c + 2] + s[c + 6]
+                t3 = s[c + 3] + s[c + 7]
+                total += np.float64((t0 + t2) + (t1 + t3))
+            inv = F32(1.0 / total)
+            for j in range(n_vis):
+                s[j] = _load(_store(s[j] * inv, z))
+            pv_t(vf, kh * uhdv * U(n_pad), U(n_pad), s, U(n_vis), uhdv, of, (U(t) * U(n_head) + U(h)) * uhdv)

@@ -659,6 +659,73 @@ def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     return sig, codegen
 
 
+def _load_v8f(builder, base, offset, half):
+    """8 floats at element offset of a float32 array, or of float16 bits (uint16), widened."""
+    if not half:
+        return _load_vec(builder, base, offset, _V8F)
+    raw = _load_vec(builder, base, offset, ir.VectorType(ir.IntType(16), 8))
+    return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), _V8F)
+
+
+@intrinsic
+def dot4_rows(typingctx, k, k_off, k_stride, q, q_off, n):
+    """Four dot products in tinyBLAS's order (one 8-lane accumulator each, then hsum_float_8):
+    rows k[k_off + r * k_stride ...] (r < 4; float32, or float16 bits as uint16) times float32
+    q[q_off ...], n a multiple of 8. The four independent accumulator chains run interleaved
+    (one row's chain alone waits on each fma's latency)."""
+    half = k.dtype == types.uint16
+    sig = types.UniTuple(types.float32, 4)(k, types.uint64, types.uint64, q, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        k_, k_off_, k_stride_, q_, q_off_, n_ = args
+        kp = _ptr(context, builder, signature.args[0], k_)
+        qp = _ptr(context, builder, signature.args[3], q_)
+        offs = [builder.add(k_off_, builder.mul(const(r), k_stride_)) for r in range(4)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
+        with cgutils.for_range(builder, builder.udiv(n_, const(8))) as loop:
+            o = builder.mul(loop.index, const(8))
+            qv = _load_vec(builder, qp, builder.add(q_off_, o), _V8F)
+            for r in range(4):
+                kv = _load_v8f(builder, kp, builder.add(offs[r], o), half)
+                builder.store(_fma(builder, kv, qv, builder.load(accs[r])), accs[r])
+        return context.make_tuple(builder, signature.return_type, [_hsum8(builder, builder.load(a)) for a in accs])
+
+    return sig, codegen
+
+
+@intrinsic
+def pv_t(typingctx, vt, vt_off, vt_stride, p, n_keys, n, out, out_off):
+    """out[out_off + d] = sum_j p[j] vt[vt_off + d vt_stride + j] for d < n (a multiple of 4) over
+    j < n_keys (a multiple of 8): V^T's rows times the probabilities in tinyBLAS's order (one
+    8-lane accumulator per element, key j in lane j % 8, fma(v, p, acc) in key order, then
+    hsum_float_8). Four rows of V^T at a time, each block of p loaded once for them; vt float32
+    or float16 bits (uint16)."""
+    half = vt.dtype == types.uint16
+    sig = types.void(vt, types.uint64, types.uint64, p, types.uint64, types.uint64, out, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        vt_, vt_off_, vt_stride_, p_, n_keys_, n_, out_, out_off_ = args
+        vp = _ptr(context, builder, signature.args[0], vt_)
+        pp = _ptr(context, builder, signature.args[3], p_)
+        op = _ptr(context, builder, signature.args[6], out_)
+        with cgutils.for_range(builder, builder.udiv(n_, const(4))) as dl:
+            d = builder.mul(dl.index, const(4))
+            rows = [builder.add(vt_off_, builder.mul(builder.add(d, const(r)), vt_stride_)) for r in range(4)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
+            with cgutils.for_range(builder, builder.udiv(n_keys_, const(8))) as kl:
+                j0 = builder.mul(kl.index, const(8))
+                pv = _load_vec(builder, pp, j0, _V8F)
+                for r in range(4):
+                    vv = _load_v8f(builder, vp, builder.add(rows[r], j0), half)
+                    builder.store(_fma(builder, vv, pv, builder.load(accs[r])), accs[r])
+            for r in range(4):
+                builder.store(_hsum8(builder, builder.load(accs[r])),
+                              builder.gep(op, [builder.add(out_off_, builder.add(d, const(r)))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def axpy_f16(typingctx, v, v_off, p, acc, acc_off, n):
     """acc[acc_off + d] = fma(float(v[v_off + d]), p, acc[acc_off + d]) for d < n (a multiple of
