@@ -221,6 +221,12 @@ class GGUFFile:
                 raise TruncatedFileError(f"{self.path}: file truncated ({self.file_size} bytes, header needs 24)")
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self._parse()
+        # The header (a vocabulary's strings and scores: 6 MiB for a 262k one) has been copied
+        # out; its pages would otherwise stay resident for the life of the map. They are clean
+        # pages of a shared file map: dropped now, read back from the file if ever touched.
+        header = self.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        if header and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, 0, header)
 
     # ---------------------------------------------------------------------------------------
     def _parse(self) -> None:

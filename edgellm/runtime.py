@@ -60,6 +60,52 @@ class Runtime:
         ]
         self.n_past = 0
         self.timing = StepTiming()
+        self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
+        self._decode_checks = 0
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Load the CPU kernels a prompt and a decode step run before any weight is read, then hand
+        the compiler's memory back (kernels.cpu.release_compiler). Loading kernels runs LLVM, whose
+        pages would otherwise stay resident beside the weights for the whole run. One CPU layer of
+        each kind (its tensor types and row counts, sliding window or not, last or not) runs a
+        9-token batch and a token on a scratch cache, reading only that layer's weights; the output
+        head's products run on 8 of its rows."""
+        cpu = self.backends["cpu"]
+        cfg, model = self.cfg, self.model
+        last = len(self.layer_devices) - 1
+        kinds: dict = {}
+        for il, d in enumerate(self.layer_devices):
+            if d == "cpu":
+                w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
+                kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
+        dtype = self.kv[0].k.dtype if self.kv else np.float16
+        for il in kinds.values():
+            window = cfg.sliding_window if cfg.swa_layers[il] else 0
+            for n, last_only in ((9, False), (9, True), (1, False)):
+                if last_only and il != last:
+                    continue
+                kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, dtype, window)
+                x = model.embed(np.zeros(n, np.int64))
+                model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, last_only=last_only)
+        if self.output_device == "cpu" and hasattr(model.output, "ggml_type"):
+            w = model.output
+            rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
+            for n in (9, 1):
+                h = np.zeros((n, cfg.n_embd), np.float32)
+                cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
+                rows.matmul(h, np.empty((n, 8), np.float32))
+        self._release_compiler()
+
+    def _release_compiler(self) -> None:
+        """Release the compiler's pages if kernels were loaded since the last time."""
+        if "cpu" not in self.backends:
+            return
+        kernels = self.backends["cpu"].kernels
+        n = kernels.loaded_kernels()
+        if n != self._kernels_loaded:
+            kernels.release_compiler()
+            self._kernels_loaded = n
 
     # ---------------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:
@@ -124,6 +170,9 @@ class Runtime:
         logits = None
         for i in range(0, len(ids), self.n_batch):
             logits = self._step(ids[i : i + self.n_batch], all_logits=False)
+        if len(ids) > 1 or self._decode_checks < 2:  # a kernel warm_up did not foresee
+            self._decode_checks += len(ids) == 1
+            self._release_compiler()
         return logits[-1]
 
     def logits(self, tokens) -> np.ndarray:
@@ -132,10 +181,13 @@ class Runtime:
         self.reset()
         self._check_room(len(ids))
         if len(ids) <= self.n_batch:  # one batch: its logits are the answer, no copy
-            return self._step(ids, all_logits=True)
+            logits = self._step(ids, all_logits=True)
+            self._release_compiler()
+            return logits
         out = np.empty((len(ids), self.cfg.n_vocab), dtype=np.float32)
         for i in range(0, len(ids), self.n_batch):
             out[i : i + self.n_batch] = self._step(ids[i : i + self.n_batch], all_logits=True)
+        self._release_compiler()
         return out
 
     def _ids(self, tokens) -> np.ndarray:

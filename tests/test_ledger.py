@@ -58,3 +58,40 @@ def test_cpu_estimate_within_5_percent_of_peak_rss(name, tmp_path):
     assert d["peak_rss"] <= d["total"]  # the margin covers what the terms miss
     # weights and KV cache: what the runtime holds is what the ledger charged, to the byte
     assert d["measured"]["weights"] == d["weights"] and d["measured"]["kv_cache"] == d["kv"]
+
+
+WARM_WORKER = r"""
+import json, sys
+import numpy as np
+import edgellm
+from edgellm.kernels import cpu
+m = edgellm.load(sys.argv[1], n_ctx=256, n_batch=64)
+loaded, compiler = cpu.loaded_kernels(), cpu.compiler_resident_bytes()
+rng = np.random.default_rng(0)
+m.eval(rng.integers(10, 1000, size=40))     # a prompt batch
+m.eval(rng.integers(10, 1000, size=5))      # a short one
+for t in rng.integers(10, 1000, size=3):    # decode steps
+    m.eval([int(t)])
+m.logits(rng.integers(10, 1000, size=12))   # every position's logits
+print(json.dumps({"loaded": loaded, "compiler": compiler, "loaded_after": cpu.loaded_kernels(),
+                  "compiler_after": cpu.compiler_resident_bytes()}))
+"""
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_load_warms_every_kernel_and_releases_the_compiler(name):
+    """After load, prompts of both sizes, decode steps and all-position logits load no kernel the
+    warm-up did not (so the compiler never runs beside the weights), and LLVM's pages are handed
+    back: a few MiB resident instead of the ~65 MiB loading kernels leaves."""
+    from edgellm.fetch import model_path
+
+    r = subprocess.run([sys.executable, "-c", WARM_WORKER, str(model_path(name))],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"{name}: {d['loaded']} kernels loaded at load, {d['loaded_after']} after the run; compiler "
+          f"resident {d['compiler'] / 2**20:.1f} MiB after load, {d['compiler_after'] / 2**20:.1f} MiB after the run")
+    assert d["loaded"] > 5
+    assert d["loaded_after"] == d["loaded"]
+    assert d["compiler"] < 10 * 2**20 and d["compiler_after"] < 10 * 2**20

@@ -124,6 +124,63 @@ def _matmul_kernel(ggml_type: GGMLType):
     return getattr(import_module(f"{__name__}.{family}"), "MATMUL", {}).get(ggml_type) if family else None
 
 
+def loaded_kernels() -> int:
+    """How many compiled kernel versions this process holds (compiled or loaded from the disk
+    cache): it grows when a call needs a kernel (or argument types) not used before."""
+    import sys
+
+    from numba.core.registry import CPUDispatcher
+
+    n = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith(__name__ + ".") and module is not None:
+            n += sum(len(obj.overloads) for obj in vars(module).values() if isinstance(obj, CPUDispatcher))
+    return n
+
+
+_COMPILER_LIBRARY = "libllvmlite"  # LLVM, which Numba links compiled and cached kernels with
+_MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (they fault back in if touched)
+
+
+def compiler_resident_bytes() -> int:
+    """Bytes of the compiler library resident in this process (0 where /proc is not there)."""
+    total, current = 0, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    current = line
+                elif line.startswith("Rss:") and current is not None and _COMPILER_LIBRARY in current:
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def release_compiler() -> None:
+    """Hand the compiler library's resident pages back to the OS. Loading kernels (from the disk
+    cache too) runs LLVM, whose code and tables then stay resident (~65 MiB) though running the
+    loaded kernels never touches them; the pages are clean (mapped from the library file), so
+    the kernel drops them now and reads them back only if LLVM runs again (a kernel not yet
+    loaded). A no-op where madvise(MADV_PAGEOUT) is not available."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            ranges = [line.split(" ", 1)[0] for line in f if _COMPILER_LIBRARY in line]
+    except (OSError, AttributeError):
+        return
+    for r in ranges:
+        lo, hi = (int(v, 16) for v in r.split("-"))
+        madvise(lo, hi - lo, _MADV_PAGEOUT)  # EINVAL on kernels without it: nothing happens
+
+
 def set_threads(n: int) -> None:
     """Number of threads the kernels use (at most the number of CPU cores Numba sees); NumPy's
     bundled OpenBLAS (the matmul products) follows when its library exposes the setter."""
