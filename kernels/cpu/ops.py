@@ -370,6 +370,21 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
     kstride = U(n_kv) * uhd
     n_pairs = n_tok * n_head
     n_chunks = min(n_pairs, ATTN_CHUNKS)
+    # per token, once for all its heads: one past its last visible key, and whether every key
+    # before that one is visible (a causal batch in a fresh cache: no mask to check per key)
+    ends = np.empty(n_tok, np.int64)
+    dense = np.empty(n_tok, np.bool_)
+    for t in prange(n_tok):
+        p = pos[t]
+        end = 0
+        n_seen = 0
+        for j in range(used):
+            kp = kpos[j]
+            if not (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
+                end = j + 1
+                n_seen += 1
+        ends[t] = end
+        dense[t] = n_seen == end
     for chunk in prange(n_chunks):
         qr = np.empty(hd, F32)
         s = np.empty(n_pad, F32)
@@ -380,32 +395,29 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
             p = pos[t]
             for d in range(hd):
                 qr[d] = _load(_store(q[t, h, d], z))
-            end = 0  # one past the last visible key
-            for j in range(used):
-                kp = kpos[j]
-                if not (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
-                    end = j + 1
+            end = ends[t]
             n_vis = (end + 7) // 8 * 8
             for j0 in range(0, end - end % 4, 4):
                 s[j0], s[j0 + 1], s[j0 + 2], s[j0 + 3] = dot4_rows(kf, U(j0) * kstride + kh * uhd, kstride, qr, U(0), uhd)
             for j in range(end - end % 4, end):
                 s[j] = dot_f16(kf, U(j) * kstride + kh * uhd, qr, U(0), uhd, 1)
             m = NEG_INF
+            visible = dense[t]
             for j in range(end):
                 kp = kpos[j]
-                if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                if not visible and (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
                     s[j] = NEG_INF
                 else:
                     v = s[j] * scale
                     s[j] = v
                     if v > m:
                         m = v
-            for j in range(end, n_vis):
-                s[j] = NEG_INF
-            for j in range(n_vis):
+            for j in range(end):
                 x = s[j]
                 e = expf_ggml(x - m)
                 s[j] = F32(0.0) if x == NEG_INF else e
+            for j in range(end, n_vis):
+                s[j] = F32(0.0)
             total = 0.0
             for c in range(0, n_vis, 8):
                 t0 = s[c] + s[c + 4]
