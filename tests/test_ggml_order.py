@@ -170,3 +170,31 @@ def test_attention_dot_products_follow_ggml(n_acc, dtype):
     expect = ref.dot_f16(np.concatenate([vt, pad_v], 1), np.concatenate([p, np.zeros(pad_v.shape[1], np.float32)]),
                          n_acc)
     np.testing.assert_array_equal(out[-1], expect)
+
+
+@pytest.mark.parametrize("n_head, n_kv, hd, window, n_tok, n_past", [
+    (9, 3, 64, 0, 37, 0), (4, 1, 256, 0, 20, 0), (4, 1, 256, 12, 30, 0), (9, 3, 64, 0, 13, 20),
+    (4, 2, 64, 16, 13, 30)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n_tok, n_past, dtype):
+    """attend_batch (V transposed, four keys and four rows of V^T at a time, visible ranges per
+    token) returns attend_ggml's tinyBLAS-order result bit for bit: causal batches, a prefix
+    already in the cache, sliding windows over a ring cache, f16 and f32 caches."""
+    from edgellm.backend_cpu import CPUBackend
+
+    b = CPUBackend(threads=2)
+    size = n_tok + n_past if not window else min(n_tok + n_past, window + n_tok)
+    kv = b.kv_layer(size, n_kv, hd, hd, dtype, window)
+    if n_past:
+        b.kv_store(kv, RNG.standard_normal((n_past, n_kv, hd)).astype(np.float32),
+                   RNG.standard_normal((n_past, n_kv, hd)).astype(np.float32), np.arange(n_past))
+    pos = np.arange(n_past, n_past + n_tok)
+    b.kv_store(kv, RNG.standard_normal((n_tok, n_kv, hd)).astype(np.float32),
+               RNG.standard_normal((n_tok, n_kv, hd)).astype(np.float32), pos)
+    q = (RNG.standard_normal((n_tok, n_head, hd)) * 3).astype(np.float32)
+    out = np.empty((n_tok, n_head * hd), np.float32)
+    b.attention(q, kv, pos, 0.125, out)
+    kc, vc = kv.kernel_arrays()
+    expect = np.empty_like(out)
+    b.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, np.float32(0.125), 1, expect, kc.dtype.type(0))
+    np.testing.assert_array_equal(out, expect)

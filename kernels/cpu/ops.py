@@ -280,10 +280,9 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
     token (vec_dot_f16), 1 for a batch (tinyBLAS). hd and hd_v must be multiples of 8. Keys a
     query may not see are skipped: their score is -inf and their probability 0 in ggml too, and
     adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
-    let the 8-lane loops vectorize. kc, vc: the cache, or (a batch) its slots [0, used)
-    converted to float32 once (cache_to_f32: exact, and each key then serves every query
-    without a conversion); z: a value of the cache's element type, the type q and the
-    probabilities are rounded to."""
+    let the 8-lane loops vectorize. kc, vc: the cache; z: a value of the cache's element type,
+    the type q and the probabilities are rounded to. Decode runs this (n_acc = 4); a batch runs
+    attend_batch, which gives what this gives with n_acc = 1, faster."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
     hdv = vc.shape[2]
