@@ -94,6 +94,23 @@ def test_activations(shape):
     np.testing.assert_allclose(out[0], [0.0, 0.7310585786, -0.2689414214], rtol=1e-6)
 
 
+def test_silu_takes_ggml_exp_bit_for_bit():
+    """SiLU's full groups of 8 (eight lanes at a time in the kernel) are g / (1 + expf_ggml(-g)) * up
+    to the bit, overflow and underflow included; the tail of a row takes the C library's expf."""
+    from edgellm.backend_cpu import expf_ggml
+
+    gate, up = randn(3, 1540, scale=8.0), randn(3, 1540)
+    gate[0, :20] = [np.inf, -np.inf, 100, -100, 89, -89, 88.7, -88.7, 1e-30, -1e-30, 0, -0.0, 127, -127,
+                    150, -150, 200, -200, 300, -300]
+    out = np.empty_like(gate)
+    FAST.ops.silu_mul(gate, up, out)
+    n8 = 1536
+    with np.errstate(over="ignore", invalid="ignore"):
+        expect = gate[:, :n8] / (F32(1.0) + expf_ggml(-gate[:, :n8])) * up[:, :n8]
+    np.testing.assert_array_equal(out[:, :n8], expect)
+    np.testing.assert_allclose(out[:, n8:], gate[:, n8:] / (1 + np.exp(-gate[:, n8:])) * up[:, n8:], rtol=1e-6)
+
+
 def filled_pair(n_slots, n_kv, hd, hd_v, dtype, window, positions):
     """The same cache contents in a Numba-backend and a twin-backend KVLayer."""
     caches = FAST.kv_layer(n_slots, n_kv, hd, hd_v, dtype, window), TWIN.kv_layer(n_slots, n_kv, hd, hd_v, dtype, window)

@@ -27,7 +27,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from edgellm.kernels.cpu.common import U, expf_ggml, fma32  # noqa: E402
+from edgellm.kernels.cpu.common import U, exp_shifted, expf_ggml, fma32, silu_mul_v8  # noqa: E402
 from edgellm.kernels.cpu.rowdot import axpy_f16, dot4_rows, dot_f16, pv_t  # noqa: E402
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
@@ -115,10 +115,9 @@ def silu_mul(gate, up, out):
     exp for each full group of 8 of a row, the C library's expf for the rest. Rows in parallel."""
     rows, n = gate.shape
     n8 = n // 8 * 8
+    gf, uf, of = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
     for r in prange(rows):
-        for i in range(n8):
-            g = gate[r, i]
-            out[r, i] = g / (F32(1.0) + expf_ggml(-g)) * up[r, i]
+        silu_mul_v8(gf, uf, of, U(r) * U(n), U(n8))
         for i in range(n8, n):
             g = gate[r, i]
             out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
@@ -411,12 +410,9 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
                     s[j] = v
                     if v > m:
                         m = v
-            for j in range(end):
-                x = s[j]
-                e = expf_ggml(x - m)
-                s[j] = F32(0.0) if x == NEG_INF else e
             for j in range(end, n_vis):
-                s[j] = F32(0.0)
+                s[j] = NEG_INF
+            exp_shifted(s, U(n_vis), m)  # -inf (not visible) -> 0
             total = 0.0
             for c in range(0, n_vis, 8):
                 t0 = s[c] + s[c + 4]
