@@ -64,11 +64,42 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     gf = GGUFFile(file)
     cfg = ModelConfig.from_gguf(gf)
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
-                 threads=threads or default_threads(), vram=vram, kv_type=kv_type)
+                 threads=threads or default_threads(), vram=vram, kv_type=kv_type, quiet=quiet)
+
+
+class _CompileReport:
+    """"compiling kernels (first run only)" on stderr with a count and the kernel at work, as the
+    first run of an install compiles them (on a terminal one line, redrawn; otherwise a line per
+    kernel). Silent when every kernel comes from the disk cache."""
+
+    def __init__(self, stream=None):
+        import sys
+
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.count = 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        self.count += 1
+        line = f"compiling kernels (first run only): {self.count} {name}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.count:
+            end = "\r\033[K" if self.tty else ""
+            self.stream.write(f"{end}compiled {self.count} kernels in {time.perf_counter() - self.t0:.0f} s "
+                              "(cached for the next runs)\n")
+            self.stream.flush()
 
 
 class Model:
-    def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None):
+    def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
+                 quiet: bool = True):
         from edgellm.backend_cpu import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -94,8 +125,12 @@ class Model:
                 from edgellm.kernels.cuda.backend import CudaBackend
 
                 backends["gpu"] = CudaBackend()
+        report = None if quiet else _CompileReport()
         self.runtime = Runtime(gf, cfg, layer_devices=self.plan.layers, output_device=self.plan.output_device,
-                               backends=backends, n_ctx=n_ctx, n_batch=self.n_batch, kv_type=kv_type)
+                               backends=backends, n_ctx=n_ctx, n_batch=self.n_batch, kv_type=kv_type,
+                               on_compile=report)
+        if report is not None:
+            report.done()
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
 

@@ -36,7 +36,7 @@ def kv_cache_slots(cfg, il: int, n_ctx: int, n_batch: int) -> int:
 
 class Runtime:
     def __init__(self, gf, cfg, *, layer_devices, output_device: str, backends: dict, n_ctx: int,
-                 n_batch: int, kv_type: str = "f16"):
+                 n_batch: int, kv_type: str = "f16", on_compile=None):
         from edgellm.models import architecture
 
         if kv_type not in KV_DTYPES:
@@ -62,16 +62,25 @@ class Runtime:
         self.timing = StepTiming()
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
-        self.warm_up()
+        self.warm_up(on_compile)
 
-    def warm_up(self) -> None:
+    def warm_up(self, on_compile=None) -> None:
         """Load the CPU kernels a prompt and a decode step run before any weight is read, then hand
         the compiler's memory back (kernels.cpu.release_compiler). Loading kernels runs LLVM, whose
         pages would otherwise stay resident beside the weights for the whole run. One CPU layer of
         each kind (its tensor types and row counts, sliding window or not, last or not) runs a
         9-token batch and a token on a scratch cache, reading only that layer's weights; the output
-        head's products run on 8 of its rows."""
+        head's products run on 8 of its rows. on_compile(kernel_name), if given, is called as each
+        kernel starts compiling (the first run of an install; later runs load them from disk)."""
         cpu = self.backends["cpu"]
+        if on_compile is not None:
+            with cpu.kernels.compile_listener(on_compile):
+                self._warm_up(cpu)
+        else:
+            self._warm_up(cpu)
+        self._release_compiler()
+
+    def _warm_up(self, cpu) -> None:
         cfg, model = self.cfg, self.model
         last = len(self.layer_devices) - 1
         kinds: dict = {}
@@ -95,7 +104,6 @@ class Runtime:
                 h = np.zeros((n, cfg.n_embd), np.float32)
                 cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
                 rows.matmul(h, np.empty((n, 8), np.float32))
-        self._release_compiler()
 
     def _release_compiler(self) -> None:
         """Release the compiler's pages if kernels were loaded since the last time."""

@@ -95,3 +95,20 @@ def test_load_warms_every_kernel_and_releases_the_compiler(name):
     assert d["loaded"] > 5
     assert d["loaded_after"] == d["loaded"]
     assert d["compiler"] < 10 * 2**20 and d["compiler_after"] < 10 * 2**20
+
+
+@pytest.mark.real
+def test_first_run_reports_compiling_and_later_runs_do_not(tmp_path):
+    """`edgellm run` on a cold kernel cache says it is compiling (first run only), with a count;
+    the next run, loading every kernel from the disk cache, prints nothing of it."""
+    from edgellm.fetch import model_path
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    cmd = [sys.executable, "-m", "edgellm.cli", "run", str(model_path("smollm2-135m")), "-p", "Hi", "-n", "2"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "compiling kernels (first run only): 1 " in first.stderr
+    assert "compiled " in first.stderr and "kernels in" in first.stderr
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "compiling kernels" not in second.stderr and "compiled " not in second.stderr

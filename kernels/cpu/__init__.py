@@ -25,6 +25,7 @@ the user set it).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from importlib import import_module
 from pathlib import Path
 
@@ -136,6 +137,27 @@ def loaded_kernels() -> int:
         if name.startswith(__name__ + ".") and module is not None:
             n += sum(len(obj.overloads) for obj in vars(module).values() if isinstance(obj, CPUDispatcher))
     return n
+
+
+@contextmanager
+def compile_listener(report):
+    """Within the context, report(kernel_name) is called as each of this package's kernels starts
+    compiling (one found in the disk cache is loaded, not compiled, and not reported; Numba's own
+    helpers compiled along the way are not reported either)."""
+    from numba.core import event
+
+    class Listener(event.Listener):
+        def on_start(self, ev):
+            dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
+            func = getattr(dispatcher, "py_func", None)
+            if getattr(func, "__module__", "").startswith(__name__):
+                report(func.__name__)
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
 
 
 _COMPILER_LIBRARY = "libllvmlite"  # LLVM, which Numba links compiled and cached kernels with
