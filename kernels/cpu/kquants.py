@@ -31,7 +31,6 @@ from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, r
                                         sbdot1_min, sbdot4, sbdot4_min, q4_k_step1, q4_k_step4)
 
 QK_K = 256
-ROW_CHUNK = 16  # matmul: rows per parallel chunk, their weights stay in L1 while tokens pass
 # Bytes per super-block, fields in memory order.
 Q2_K_BYTES = 16 + 64 + 2 + 2  # scales[16] (sc | min << 4) | qs[64] | d | dmin
 Q3_K_BYTES = 32 + 64 + 12 + 2  # hmask[32] | qs[64] | scales[12] | d
