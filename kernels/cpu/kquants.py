@@ -226,21 +226,7 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
     for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
         r0 = c * TILED_ROWS
         nr = min(TILED_ROWS, n_rows - r0)
-        n_sb = U(nr) * nb
-        wq = np.empty(n_sb * U(256), np.uint8)
-        sc = np.empty(n_sb * U(128), np.int16)
-        cm = np.empty(n_sb * U(32), np.int16)
-        dw = np.empty(n_sb, F32)
-        dm = np.empty(n_sb, F32)
-        scg = np.empty(16, I32)
-        for i in range(nr):
-            row = raw[r0 + i]
-            for j in range(nb):
-                k = U(i) * nb + j
-                o = j * U(Q4_K_BYTES)
-                _unpack_sb(4, row, o, wq, sc, cm, k, scg)
-                dw[k] = load_f16(row, o)
-                dm[k] = load_f16(row, o + U(2))
+        wq, sc, cm, dw, dm = _unpack_rows(4, raw, r0, nr, nb)
         for t in range(0, n_gemm, 4):
             for i in range(nr):
                 z = F32(0.0)
@@ -359,6 +345,30 @@ def _tiled_step(s1, s2, dw, dm, dx, has_min, acc):
 TILED_ROWS = 8  # rows unpacked together (their codes and pair scales, 4 KiB per 1024 columns)
 
 
+@njit(inline="always")
+def _unpack_rows(kind, raw, r0, nr, nb):
+    """Rows r0 .. r0 + nr of a Q<kind>_K matrix unpacked (_unpack_sb, super-block k = i * nb + j)
+    with their float32 d and dmin (0 without mins): (codes, pair scales, corrections and mins, d, dmin)."""
+    size, od, om = _SB_LAYOUT[kind]
+    n_sb = U(nr) * nb
+    wq = np.empty(n_sb * U(256), np.uint8)
+    sc = np.empty(n_sb * U(128), np.int16)
+    cm = np.empty(n_sb * U(32), np.int16)
+    dw = np.empty(n_sb, F32)
+    dm = np.zeros(n_sb, F32)
+    scg = np.empty(16, I32)
+    for i in range(nr):
+        row = raw[r0 + i]
+        for j in range(nb):
+            k = U(i) * nb + j
+            o = j * U(size)
+            _unpack_sb(kind, row, o, wq, sc, cm, k, scg)
+            dw[k] = load_f16(row, o + U(od))
+            if om >= 0:
+                dm[k] = load_f16(row, o + U(om))
+    return wq, sc, cm, dw, dm
+
+
 @njit(**JIT)
 def matmul_tiled(kind, raw, xq, xd, xs, out):
     """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order. A chunk
@@ -366,30 +376,14 @@ def matmul_tiled(kind, raw, xq, xd, xs, out):
     at a time."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
-    size, od, om = _SB_LAYOUT[kind]
-    has_min = om >= 0
+    has_min = _SB_LAYOUT[kind][2] >= 0
     n4 = n_tok - n_tok % 4
     xstride = nb * U(QK_K)
     gstride = nb * U(16)
     for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
         r0 = c * TILED_ROWS
         nr = min(TILED_ROWS, n_rows - r0)
-        n_sb = U(nr) * nb
-        wq = np.empty(n_sb * U(256), np.uint8)
-        sc = np.empty(n_sb * U(128), np.int16)
-        cm = np.empty(n_sb * U(32), np.int16)
-        dw = np.empty(n_sb, F32)
-        dm = np.zeros(n_sb, F32)
-        scg = np.empty(16, I32)
-        for i in range(nr):
-            row = raw[r0 + i]
-            for j in range(nb):
-                k = U(i) * nb + j
-                o = j * U(size)
-                _unpack_sb(kind, row, o, wq, sc, cm, k, scg)
-                dw[k] = load_f16(row, o + U(od))
-                if has_min:
-                    dm[k] = load_f16(row, o + U(om))
+        wq, sc, cm, dw, dm = _unpack_rows(kind, raw, r0, nr, nb)
         for t in range(0, n4, 4):
             for i in range(nr):
                 a0 = a1 = a2 = a3 = F32(0.0)
