@@ -154,6 +154,9 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
     if runs_blocks or holds_head:
         buffers["normed"] = t * c.n_embd * F32  # rms_norm output (n_tok, n_embd)
     if runs_blocks:
+        from models.decoder import ffn_chunks
+
+        ffn_rows = max(m for _, m in ffn_chunks(t))
         widest = max(c.n_embd, c.n_ff, c.n_head * c.head_dim_v)
         buffers.update(
             q=t * q_dim * F32,  # (n_tok, n_head, head_dim_k)
@@ -165,8 +168,8 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
                          else c.n_head * t * n_ctx_attn) * F32,
             attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
             proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
-            ffn_gate=t * c.n_ff * F32,  # (n_tok, n_ff)
-            ffn_up=t * c.n_ff * F32,  # (n_tok, n_ff)
+            ffn_gate=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff): a prompt's FFN runs in chunks
+            ffn_up=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff)
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
     if holds_head or is_host:

@@ -18,6 +18,23 @@ from edgellm.backend_cpu import qkv_attention_by_ops
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 OPTIONAL = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
 BIASES = ("attn_q", "attn_k", "attn_v")
+# A prompt's FFN runs FFN_CHUNK tokens at a time, so its two (n_tok, n_ff) buffers hold about
+# FFN_CHUNK rows (6 -> 1.5 MiB for SmolLM2's 512-token batch). Each token must get the float order
+# it gets in one call for the whole batch: the products take a batch's tokens four at a time
+# (llama.cpp's repacked Q4_K), so chunks start at multiples of 4, and K-quant batches of fewer
+# than 8 tokens take the one-token order, so the last chunk is never shorter than 8 (FFN_TAIL_MIN).
+FFN_CHUNK = 128
+FFN_TAIL_MIN = 8
+
+
+def ffn_chunks(n: int) -> list[tuple[int, int]]:
+    """(start, length) of the FFN chunks of an n-token batch."""
+    chunks, i = [], 0
+    while i < n:
+        m = n - i if n - i < FFN_CHUNK + FFN_TAIL_MIN else FFN_CHUNK
+        chunks.append((i, m))
+        i += m
+    return chunks
 
 
 class Decoder:
@@ -79,9 +96,10 @@ class Decoder:
                 del self._scratch[old]
             cfg = self.cfg
             shapes = dict(h=cfg.n_embd, q=cfg.n_head * cfg.head_dim_k, k=cfg.n_head_kv * cfg.head_dim_k,
-                          v=cfg.n_head_kv * cfg.head_dim_v, a=cfg.n_head * cfg.head_dim_v, o=cfg.n_embd,
-                          gate=cfg.n_ff, up=cfg.n_ff)
+                          v=cfg.n_head_kv * cfg.head_dim_v, a=cfg.n_head * cfg.head_dim_v, o=cfg.n_embd)
             s = self._scratch[key] = SimpleNamespace(**{name: b.empty((n, m)) for name, m in shapes.items()})
+            rows = max(m for _, m in ffn_chunks(n))
+            s.gate, s.up = (b.empty((rows, cfg.n_ff)) for _ in range(2))
         return s
 
     def block(self, il: int, b, x, pos: np.ndarray, kv, last_only: bool = False) -> None:
@@ -126,13 +144,13 @@ class Decoder:
         if last_only and n > 1:
             x, o, s = x[-1:], o[-1:], self.scratch(b, 1)
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
-        # gated FFN
-        linear_many((L.ffn_gate, L.ffn_up), s.h, (s.gate, s.up))
-        if self.ACTIVATION == "gelu":
-            b.gelu_mul(s.gate, s.up, s.gate)
-        else:
-            b.silu_mul(s.gate, s.up, s.gate)
-        b.linear(L.ffn_down, s.gate, s.o)
+        # gated FFN, FFN_CHUNK tokens at a time
+        act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
+        for i, m in ffn_chunks(x.shape[0]):
+            gate, up = s.gate[:m], s.up[:m]
+            linear_many((L.ffn_gate, L.ffn_up), s.h[i:i + m], (gate, up))
+            act(gate, up, gate)
+            b.linear(L.ffn_down, gate, s.o[i:i + m])
         # (post-norm,) residual connection
         add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
 

@@ -27,6 +27,23 @@ TOP_K = 64
 N_GREEDY = 24
 N_CTX = 512
 
+# longer than two FFN chunks (models/decoder.py), so a prompt's FFN runs in three pieces
+LONG_PROMPT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his "
+    "father had taught him: one hundred and twelve, no more and no less. At the top he trimmed the wick, "
+    "polished the great lens with a soft cloth, and checked the level of oil in the reservoir. Ships "
+    "passing the headland relied on the beam to find the narrow channel between the reef and the cliffs, "
+    "and in forty years the light had never failed. In winter the storms came in from the west, driving "
+    "spray against the glass so hard that the whole tower seemed to shudder. On those nights he did not "
+    "sleep at all; he sat by the lamp with a pot of tea, a logbook open on his knees, writing down the "
+    "wind, the swell, and the names of the vessels that signalled as they went by. When the supply boat "
+    "arrived each month, the young sailors asked him whether he was lonely out there. He always gave the "
+    "same answer: a man who keeps a light is never alone, because somewhere in the dark there is always "
+    "someone watching for it. Years later, when the light was automated and the keeper moved to the "
+    "village, he still walked to the harbour wall every evening to see the beam sweep across the water, "
+    "and he still counted, under his breath, the seconds between the flashes."
+)
+
 REAL_PROMPTS = {
     "smollm2-135m": [
         "The capital of France is",
@@ -34,6 +51,7 @@ REAL_PROMPTS = {
         "def fibonacci(n):\n    if n < 2:\n        return n\n",
         "In 1969, Neil Armstrong became the first person to",
         "Photosynthesis is the process by which plants",
+        LONG_PROMPT,
     ],
     "gemma3-270m": [
         "The capital of France is",
@@ -41,6 +59,7 @@ REAL_PROMPTS = {
         "def fibonacci(n):\n    if n < 2:\n        return n\n",
         "Water boils at 100 degrees Celsius because",
         "The three primary colors are",
+        LONG_PROMPT,
     ],
 }
 

@@ -83,6 +83,33 @@ def test_prefill_equals_decode(synthetic, arch):
     np.testing.assert_allclose(last, batched[-1], rtol=1e-3, atol=1e-3 * np.abs(batched).max())
 
 
+def test_ffn_chunks_keep_groups_of_four_and_a_tail_of_eight():
+    from models.decoder import FFN_CHUNK, ffn_chunks
+
+    for n in [1, 7, 8, 127, 128, 129, 135, 136, 137, 300, 512, 1000]:
+        chunks = ffn_chunks(n)
+        assert [i for i, _ in chunks] == list(range(0, n, FFN_CHUNK))[:len(chunks)]  # contiguous, in order
+        assert sum(m for _, m in chunks) == n
+        assert all(i % 4 == 0 for i, _ in chunks)
+        assert chunks[-1][1] >= min(n, 8) and max(m for _, m in chunks) < FFN_CHUNK + 8
+    assert ffn_chunks(135) == [(0, 135)] and ffn_chunks(136) == [(0, 128), (128, 8)]
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0])
+def test_chunked_ffn_is_the_one_call_ffn_bit_for_bit(synthetic, monkeypatch, qtype):
+    """A prompt's FFN in chunks of 8 tokens (tail of 13) gives the logits of one call for all 37:
+    K-quant tiled order (8+ tokens), repacked Q4_K (groups of four), Q4_1 / Q8_0 row products."""
+    import models.decoder as decoder
+
+    path = synthetic("llama", qtype)
+    tokens = (TOKENS * 2)[:37]
+    whole = runtime(path, {"cpu": CPUBackend()}, n_batch=64).logits(tokens)
+    monkeypatch.setattr(decoder, "FFN_CHUNK", 8)
+    assert decoder.ffn_chunks(37) == [(0, 8), (8, 8), (16, 8), (24, 13)]
+    chunked = runtime(path, {"cpu": CPUBackend()}, n_batch=64).logits(tokens)
+    np.testing.assert_array_equal(chunked, whole)
+
+
 class UnfusedCPU(CPUBackend):
     decode_block = None  # the decoder then runs every op of a block on its own
 

@@ -94,12 +94,15 @@ def test_activation_terms_are_the_named_buffers(sparse_models):
     p = plan(cfg, sizes, n_ctx=4096, n_batch=512, gpu_layers=4, budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
     cpu, gpu = dict(p.cpu.activation_buffers), dict(p.gpu.activation_buffers)
     assert gpu["attn_scores"] == 32 * 512 * 4096 * 4  # n_head × n_batch × n_ctx float32
-    assert gpu["ffn_gate"] == gpu["ffn_up"] == 512 * 11008 * 4
+    assert gpu["ffn_gate"] == gpu["ffn_up"] == 128 * 11008 * 4  # the FFN runs 128 tokens at a time
     assert gpu["logits"] == cpu["logits"] == 512 * 32000 * 4  # on the head's device and the host copy
     assert p.gpu.activations == sum(gpu.values()) and p.cpu.activations == sum(cpu.values())
     # n_batch larger than the context: a step never holds more than n_ctx tokens
     small = plan(cfg, sizes, n_ctx=128, n_batch=512, budgets=BIG)
     assert dict(small.cpu.activation_buffers)["ffn_gate"] == 128 * 11008 * 4
+    # a tail shorter than 8 tokens joins the chunk before it
+    odd = plan(cfg, sizes, n_ctx=4096, n_batch=135, budgets=BIG)
+    assert dict(odd.cpu.activation_buffers)["ffn_gate"] == 135 * 11008 * 4
     # the CPU attends with per-thread scratch: one row of scores and 32 lanes of head_dim sums
     assert dict(small.cpu.activation_buffers)["attn_scores"] == 64 * (128 + 32 * 128) * 4
 
