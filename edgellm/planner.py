@@ -154,7 +154,7 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
     if runs_blocks or holds_head:
         buffers["normed"] = t * c.n_embd * F32  # rms_norm output (n_tok, n_embd)
     if runs_blocks:
-        from models.decoder import ffn_chunks
+        from edgellm.models.decoder import ffn_chunks
 
         ffn_rows = max(m for _, m in ffn_chunks(t))
         widest = max(c.n_embd, c.n_ff, c.n_head * c.head_dim_v)

@@ -84,7 +84,7 @@ def test_prefill_equals_decode(synthetic, arch):
 
 
 def test_ffn_chunks_keep_groups_of_four_and_a_tail_of_eight():
-    from models.decoder import FFN_CHUNK, ffn_chunks
+    from edgellm.models.decoder import FFN_CHUNK, ffn_chunks
 
     for n in [1, 7, 8, 127, 128, 129, 135, 136, 137, 300, 512, 1000]:
         chunks = ffn_chunks(n)
@@ -99,7 +99,7 @@ def test_ffn_chunks_keep_groups_of_four_and_a_tail_of_eight():
 def test_chunked_ffn_is_the_one_call_ffn_bit_for_bit(synthetic, monkeypatch, qtype):
     """A prompt's FFN in chunks of 8 tokens (tail of 13) gives the logits of one call for all 37:
     K-quant tiled order (8+ tokens), repacked Q4_K (groups of four), Q4_1 / Q8_0 row products."""
-    import models.decoder as decoder
+    import edgellm.models.decoder as decoder
 
     path = synthetic("llama", qtype)
     tokens = (TOKENS * 2)[:37]
