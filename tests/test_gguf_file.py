@@ -190,3 +190,41 @@ def test_real_files_open_without_reading_tensor_data(smollm2_path, gemma3_path):
         assert grown < 0.5 * f.file_size, (path, grown)
         data_bytes = sum(t.nbytes for t in f.tensors.values())
         assert data_bytes > 0.9 * f.file_size
+
+
+def test_string_arrays_are_held_as_bytes_and_read_as_strings(tmp_path):
+    from edgellm.gguf_file import StringArray
+
+    words = ["", "a", "Ġthe", "▁Hello", "日本語", "<0x0A>", "x" * 300, "é"]
+    w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.add_array("general.tags", ["one"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    md = GGUFFile(tmp_path / "s.gguf").metadata
+    arr = md["tokenizer.ggml.tokens"]
+    assert isinstance(arr, StringArray) and len(arr) == len(words)
+    assert arr == words and list(arr) == words and arr[1:4] == words[1:4]
+    assert arr[2] == "Ġthe" and arr[-1] == "é" and arr.index("日本語") == 4 and "▁Hello" in arr
+    assert arr.nbytes == len("".join(words).encode()) + 8 * (len(words) + 1)
+    assert arr == StringArray(words) and arr != words[:-1]
+    with pytest.raises(IndexError):
+        arr[len(words)]
+    assert md["general.tags"] == ["one"] and md["general.tags"][0] == "one"
+    assert StringArray() == [] and len(StringArray()) == 0
+
+
+def test_a_string_array_cut_short_is_a_truncated_file(tmp_path):
+    words = [f"token{i}" for i in range(50)]
+    w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = (tmp_path / "s.gguf").read_bytes()
+    cut = data.index(b"token30") + 3  # inside the 31st string
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    with pytest.raises(errors.TruncatedFileError, match="tokenizer.ggml.tokens"):
+        GGUFFile(tmp_path / "cut.gguf")

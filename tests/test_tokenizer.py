@@ -246,3 +246,38 @@ def _is_broken_utf8(piece: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+def test_string_index_finds_the_first_index_and_survives_hash_collisions():
+    from edgellm.tokenizer import StringIndex
+
+    class Colliding(str):  # every string hashes alike: the index must compare the strings
+        def __hash__(self):
+            return 7
+
+    words = ["b c", "a b", "Ġ a", "a b", "x"]
+    for seq in (words, [Colliding(w) for w in words]):
+        idx = StringIndex(seq)
+        got = [idx.get(Colliding(w) if seq is not words else w) for w in ("b c", "a b", "Ġ a", "x", "zz")]
+        assert got == [0, 1, 2, 4, None]  # "a b" twice: the first (lowest rank) wins
+        assert idx.first_duplicate() == (1, 3)
+    assert StringIndex(["a", "b"]).first_duplicate() is None
+    with pytest.raises(KeyError):
+        StringIndex(["a"])["b"]
+
+
+@pytest.mark.real
+def test_vocabulary_and_merges_stay_compact():
+    """SmolLM2's 49k tokens and 49k merges, as metadata and tokenizer: ~15 MiB as Python strings
+    and dicts, 3.4 MiB as bytes, offsets and sorted hashes (with the scores and token types)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        md = GGUFFile(model_path(MODELS["smollm2"])).metadata
+        tok = Tokenizer.from_metadata(md)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert tok.n_vocab == 49152 and tok.tokenize("Hello world") == [19556, 905]
+    assert held < 5 * 2**20, held
