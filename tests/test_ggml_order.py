@@ -174,7 +174,7 @@ def test_attention_dot_products_follow_ggml(n_acc, dtype):
 
 @pytest.mark.parametrize("n_head, n_kv, hd, window, n_tok, n_past", [
     (9, 3, 64, 0, 37, 0), (4, 1, 256, 0, 20, 0), (4, 1, 256, 12, 30, 0), (9, 3, 64, 0, 13, 20),
-    (4, 2, 64, 16, 13, 30)])
+    (4, 2, 64, 16, 13, 30), (8, 1, 64, 0, 21, 3), (5, 1, 64, 0, 9, 0)])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n_tok, n_past, dtype):
     """attend_batch (V transposed, four keys and four rows of V^T at a time, visible ranges per

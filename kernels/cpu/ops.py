@@ -28,7 +28,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgellm.kernels.cpu.common import U, exp_shifted, expf_ggml, fma32, silu_mul_v8  # noqa: E402
-from edgellm.kernels.cpu.rowdot import axpy_f16, dot4_rows, dot_f16, pv_t  # noqa: E402
+from edgellm.kernels.cpu.rowdot import axpy_f16, dot4_heads1, dot4_heads2, dot4_heads3, dot_f16, pv_t  # noqa: E402
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -348,13 +348,28 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
 
 
+@njit(inline="always")
+def _scores_heads(ng, kf, k_off, kstride, qr, q_off, q_stride, s, s_off, s_stride, end4):
+    """Scores of keys 0..end4 (a multiple of 4) for ng <= 3 query heads (dot4_heads)."""
+    for j0 in range(0, end4, 4):
+        ko = U(j0) * kstride + k_off
+        so = s_off + U(j0)
+        if ng == 3:
+            dot4_heads3(kf, ko, kstride, qr, q_off, q_stride, q_stride, s, so, s_stride)
+        elif ng == 2:
+            dot4_heads2(kf, ko, kstride, qr, q_off, q_stride, q_stride, s, so, s_stride)
+        else:
+            dot4_heads1(kf, ko, kstride, qr, q_off, q_stride, q_stride, s, so, s_stride)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
     """What attend_ggml computes for a batch (n_acc = 1, tinyBLAS's order), bit for bit, faster.
     kc: the cache's keys (size, n_kv, hd); vt: its values transposed, (n_kv, hdv, n_pad) with
     n_pad a multiple of 8 >= used and zeros past `used` (as ggml keeps V transposed for this
     product). Per query the loops stop after its last visible key; scores four keys at a time
-    (dot4_rows), the exps in one branch-free pass, probabilities times V^T four rows at a time
+    for the (up to three) heads sharing a KV head (dot4_heads: each key block loaded and
+    converted once for them, their chains interleaved), the exps in one branch-free pass, probabilities times V^T four rows at a time
     (pv_t; a key that is not visible adds 0 * v, as in ggml's matrix product)."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
@@ -366,7 +381,8 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
     of = out.reshape(-1)
     uhd, uhdv = U(hd), U(hdv)
     kstride = U(n_kv) * uhd
-    n_pairs = n_tok * n_head
+    n_pairs = n_tok * n_kv  # (token, KV head) pairs: the heads sharing a KV head go together
+    per = 3 if g % 3 == 0 else (2 if g > 1 else 1)
     n_chunks = min(n_pairs, ATTN_CHUNKS)
     # per token, once for all its heads: one past its last visible key, and whether every key
     # before that one is visible (a causal batch in a fresh cache: no mask to check per key)
@@ -384,43 +400,52 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
         ends[t] = end
         dense[t] = n_seen == end
     for chunk in prange(n_chunks):
-        qr = np.empty(hd, F32)
-        s = np.empty(n_pad, F32)
-        for th in range(chunk, n_pairs, n_chunks):
-            t = th // n_head
-            h = th - t * n_head
-            kh = U(h // g)
+        qr = np.empty(g * hd, F32)
+        sg = np.empty(g * n_pad, F32)
+        for tk in range(chunk, n_pairs, n_chunks):
+            t = tk // n_kv
+            kh = U(tk - t * n_kv)
             p = pos[t]
-            for d in range(hd):
-                qr[d] = _load(_store(q[t, h, d], z))
+            h0 = kh * U(g)
+            for i in range(g):
+                for d in range(hd):
+                    qr[i * hd + d] = _load(_store(q[t, h0 + U(i), d], z))
             end = ends[t]
             n_vis = (end + 7) // 8 * 8
-            for j0 in range(0, end - end % 4, 4):
-                s[j0], s[j0 + 1], s[j0 + 2], s[j0 + 3] = dot4_rows(kf, U(j0) * kstride + kh * uhd, kstride, qr, U(0), uhd)
-            for j in range(end - end % 4, end):
-                s[j] = dot_f16(kf, U(j) * kstride + kh * uhd, qr, U(0), uhd, 1)
-            m = NEG_INF
+            end4 = end - end % 4
+            # the scores of the KV head's g query heads, `per` heads per pass over the keys (4 per
+            # head accumulators + the queries + a key stay within AVX2's 16 registers up to 3)
+            for i0 in range(0, g, per):
+                _scores_heads(min(per, g - i0), kf, kh * uhd, kstride, qr, U(i0) * uhd, uhd, sg,
+                              U(i0) * U(n_pad), U(n_pad), end4)
+            for i in range(g):
+                for j in range(end4, end):
+                    sg[i * n_pad + j] = dot_f16(kf, U(j) * kstride + kh * uhd, qr, U(i) * uhd, uhd, 1)
             visible = dense[t]
-            for j in range(end):
-                kp = kpos[j]
-                if not visible and (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
+            for i in range(g):
+                h = h0 + U(i)
+                s = sg[i * n_pad:(i + 1) * n_pad]
+                m = NEG_INF
+                for j in range(end):
+                    kp = kpos[j]
+                    if not visible and (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
+                        s[j] = NEG_INF
+                    else:
+                        v = s[j] * scale
+                        s[j] = v
+                        if v > m:
+                            m = v
+                for j in range(end, n_vis):
                     s[j] = NEG_INF
-                else:
-                    v = s[j] * scale
-                    s[j] = v
-                    if v > m:
-                        m = v
-            for j in range(end, n_vis):
-                s[j] = NEG_INF
-            exp_shifted(s, U(n_vis), m)  # -inf (not visible) -> 0
-            total = 0.0
-            for c in range(0, n_vis, 8):
-                t0 = s[c] + s[c + 4]
-                t1 = s[c + 1] + s[c + 5]
-                t2 = s[c + 2] + s[c + 6]
-                t3 = s[c + 3] + s[c + 7]
-                total += np.float64((t0 + t2) + (t1 + t3))
-            inv = F32(1.0 / total)
-            for j in range(n_vis):
-                s[j] = _load(_store(s[j] * inv, z))
-            pv_t(vf, kh * uhdv * U(n_pad), U(n_pad), s, U(n_vis), uhdv, of, (U(t) * U(n_head) + U(h)) * uhdv)
+                exp_shifted(s, U(n_vis), m)  # -inf (not visible) -> 0
+                total = 0.0
+                for c in range(0, n_vis, 8):
+                    t0 = s[c] + s[c + 4]
+                    t1 = s[c + 1] + s[c + 5]
+                    t2 = s[c + 2] + s[c + 6]
+                    t3 = s[c + 3] + s[c + 7]
+                    total += np.float64((t0 + t2) + (t1 + t3))
+                inv = F32(1.0 / total)
+                for j in range(n_vis):
+                    s[j] = _load(_store(s[j] * inv, z))
+                pv_t(vf, kh * uhdv * U(n_pad), U(n_pad), s, U(n_vis), uhdv, of, (U(t) * U(n_head) + h) * uhdv)

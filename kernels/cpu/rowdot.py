@@ -693,6 +693,50 @@ def dot4_rows(typingctx, k, k_off, k_stride, q, q_off, n):
     return sig, codegen
 
 
+def _dot4_heads(n_q):
+    """dot4_rows for n_q queries at once (heads sharing a KV head): scores of keys k[k_off + r *
+    k_stride ...] (r < 4) with queries q[q_off + i * q_stride ...] (i < n_q) into
+    s[s_off + i * s_stride + r]. Each (key, query) keeps its own 8-lane accumulator chain in
+    dot4_rows's order, so every score is the same float; a key's block is loaded (and converted
+    from f16) once for all n_q queries, and the 4 n_q chains hide the fma latency."""
+
+    @intrinsic
+    def dot4_heads(typingctx, k, k_off, k_stride, q, q_off, q_stride, n, s, s_off, s_stride):
+        half = k.dtype == types.uint16
+        sig = types.void(k, types.uint64, types.uint64, q, types.uint64, types.uint64, types.uint64, s,
+                         types.uint64, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            k_, k_off_, k_stride_, q_, q_off_, q_stride_, n_, s_, s_off_, s_stride_ = args
+            kp = _ptr(context, builder, signature.args[0], k_)
+            qp = _ptr(context, builder, signature.args[3], q_)
+            sp = _ptr(context, builder, signature.args[7], s_)
+            koffs = [builder.add(k_off_, builder.mul(const(r), k_stride_)) for r in range(4)]
+            qoffs = [builder.add(q_off_, builder.mul(const(i), q_stride_)) for i in range(n_q)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
+                    for _ in range(n_q)]
+            with cgutils.for_range(builder, builder.udiv(n_, const(8))) as loop:
+                o = builder.mul(loop.index, const(8))
+                qvs = [_load_vec(builder, qp, builder.add(qo, o), _V8F) for qo in qoffs]
+                for r in range(4):
+                    kv = _load_v8f(builder, kp, builder.add(koffs[r], o), half)
+                    for i in range(n_q):
+                        builder.store(_fma(builder, kv, qvs[i], builder.load(accs[i][r])), accs[i][r])
+            for i in range(n_q):
+                row = builder.add(s_off_, builder.mul(const(i), s_stride_))
+                for r in range(4):
+                    builder.store(_hsum8(builder, builder.load(accs[i][r])),
+                                  builder.gep(sp, [builder.add(row, const(r))]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot4_heads
+
+
+dot4_heads1, dot4_heads2, dot4_heads3 = (_dot4_heads(n) for n in (1, 2, 3))
+
+
 @intrinsic
 def pv_t(typingctx, vt, vt_off, vt_stride, p, n_keys, n, out, out_off):
     """out[out_off + d] = sum_j p[j] vt[vt_off + d vt_stride + j] for d < n (a multiple of 4) over
