@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q5_1, rowdot4t_q4_1, rowdot4_q8_0, rowdot8_q5_0,
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
                                         njit, prange)
@@ -171,20 +171,33 @@ def matvec_q8_0(raw, xq, xd, xs, xm, out):
 ROW_CHUNK = 16
 
 
+@njit(inline="always")
+def _interleave4(v, n4, nb):
+    """Per-token block values (token t's block i at t * nb + i) of the first n4 tokens, with each
+    group of four tokens interleaved: token 4g + j's block i at 4 (g nb + i) + j."""
+    out = np.empty(U(n4) * nb, np.float32)
+    for t in range(n4):
+        g, j = U(t) // U(4), U(t) % U(4)
+        for i in range(nb):
+            out[U(4) * (g * nb + i) + j] = v[U(t) * nb + i]
+    return out
+
+
 @njit(**JIT)
 def matmul_q4_1(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
     n4 = n_tok - n_tok % TILE
+    xdt, xmt = _interleave4(xd, n4, nb), _interleave4(xm, n4, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
         for t in range(0, n4, TILE):
             ut = U(t)
             for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_1(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xm, ut * nb, nb, nb)
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4t_q4_1(
+                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xmt, ut * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):

@@ -589,11 +589,51 @@ def _legacy_tile(kind, n_tok=TILE):
     return rowdot_tile
 
 
-rowdot4_q4_1 = _legacy_tile("q4_1")
 rowdot4_q8_0 = _legacy_tile("q8_0")
 rowdot4_q5_1 = _legacy_tile("q5_1")
 rowdot8_q5_0 = _legacy_tile("q5_0", 8)
 rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token; (x_stride, b_stride unused)
+
+
+_V4F = ir.VectorType(_F32, 4)
+
+
+@intrinsic
+def rowdot4t_q4_1(typingctx, w, w_off, xq, x_off, x_stride, xdt, xmt, t_off, nb):
+    """The Q4_1 row dot product of four tokens (as _legacy_tile's), with their block scales d_x
+    and sums s_x interleaved (block i of token t at t_off + 4 i + t): a block's d_w * d_x and fma(m_w, s_x, summs) are one 4-lane
+    multiply and one 4-lane fma for the four tokens, instead of four scalar ones each. Every lane
+    does what the scalar code does, so the four results are rowdot_q4_1's, bit for bit."""
+    sig = types.UniTuple(types.float32, 4)(w, types.uint64, xq, types.uint64, types.uint64, xdt, xmt,
+                                           types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off_, xq_, x_off_, x_stride_, xd_, xm_, t_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[2], xq_)
+        dp = _ptr(context, builder, signature.args[5], xd_)
+        mp = _ptr(context, builder, signature.args[6], xm_)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
+        sums = cgutils.alloca_once_value(builder, ir.Constant(_V4F, [0.0] * 4))
+        with cgutils.for_range(builder, nb_) as loop:
+            i = loop.index
+            o = builder.add(w_off_, builder.mul(i, const(_BLOCK_BYTES["q4_1"])))
+            d0, m0, qx, _ = _legacy_weights(builder, wp, o, "q4_1")
+            bo = builder.add(t_off_, builder.mul(i, const(4)))
+            dd = builder.fmul(_splat(builder, d0, _V4F), _load_vec(builder, dp, bo, _V4F))
+            builder.store(_fma(builder, _splat(builder, m0, _V4F), _load_vec(builder, mp, bo, _V4F),
+                               builder.load(sums)), sums)
+            for t in range(4):
+                xo = builder.add(builder.add(x_off_, builder.mul(const(t), x_stride_)), builder.mul(i, const(32)))
+                xy = builder.sitofp(_quad_sums(builder, qx, _load_vec(builder, xp, xo, _i8(32))), _V8F)
+                ddt = builder.shuffle_vector(dd, dd, ir.Constant(_i32(8), [t] * 8))
+                builder.store(_fma(builder, ddt, xy, builder.load(accs[t])), accs[t])
+        sv = builder.load(sums)
+        results = [builder.fadd(_hsum8(builder, builder.load(accs[t])), builder.extract_element(sv, ir.Constant(ir.IntType(32), t)))
+                   for t in range(4)]
+        return context.make_tuple(builder, signature.return_type, results)
+
+    return sig, codegen
 
 
 def _k_scale_min(builder, wp, o, b):
@@ -667,37 +707,11 @@ def _load_v8f(builder, base, offset, half):
     return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), _V8F)
 
 
-@intrinsic
-def dot4_rows(typingctx, k, k_off, k_stride, q, q_off, n):
-    """Four dot products in tinyBLAS's order (one 8-lane accumulator each, then hsum_float_8):
-    rows k[k_off + r * k_stride ...] (r < 4; float32, or float16 bits as uint16) times float32
-    q[q_off ...], n a multiple of 8. The four independent accumulator chains run interleaved
-    (one row's chain alone waits on each fma's latency)."""
-    half = k.dtype == types.uint16
-    sig = types.UniTuple(types.float32, 4)(k, types.uint64, types.uint64, q, types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        k_, k_off_, k_stride_, q_, q_off_, n_ = args
-        kp = _ptr(context, builder, signature.args[0], k_)
-        qp = _ptr(context, builder, signature.args[3], q_)
-        offs = [builder.add(k_off_, builder.mul(const(r), k_stride_)) for r in range(4)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
-        with cgutils.for_range(builder, builder.udiv(n_, const(8))) as loop:
-            o = builder.mul(loop.index, const(8))
-            qv = _load_vec(builder, qp, builder.add(q_off_, o), _V8F)
-            for r in range(4):
-                kv = _load_v8f(builder, kp, builder.add(offs[r], o), half)
-                builder.store(_fma(builder, kv, qv, builder.load(accs[r])), accs[r])
-        return context.make_tuple(builder, signature.return_type, [_hsum8(builder, builder.load(a)) for a in accs])
-
-    return sig, codegen
-
-
 def _dot4_heads(n_q):
-    """dot4_rows for n_q queries at once (heads sharing a KV head): scores of keys k[k_off + r *
-    k_stride ...] (r < 4) with queries q[q_off + i * q_stride ...] (i < n_q) into
-    s[s_off + i * s_stride + r]. Each (key, query) keeps its own 8-lane accumulator chain in
-    dot4_rows's order, so every score is the same float; a key's block is loaded (and converted
+    """Scores in tinyBLAS's order (an 8-lane accumulator per score, fma in element order, then
+    hsum_float_8) of four keys k[k_off + r * k_stride ...] (r < 4; float32, or float16 bits as
+    uint16) with n_q queries q[q_off + i * q_stride ...] (float32; heads sharing a KV head) into
+    s[s_off + i * s_stride + r], n a multiple of 8; a key's block is loaded (and converted
     from f16) once for all n_q queries, and the 4 n_q chains hide the fma latency."""
 
     @intrinsic
