@@ -60,7 +60,7 @@ def _rows(tid, w, c, out, a32, ak, n_in):
             out[r] = _row_q4_0(w[r], a32[0], a32[1], a32[2], U(0), n32)
     elif tid == Q5_1:
         for r in range(r0, r1):
-            out[r] = rowdot1_q5_1(w, U(r) * rb, a32[0], U(0), U(0), a32[1], a32[3], U(0), U(0), n32)
+            out[r] = rowdot1_q5_1(w, U(r) * rb, a32[0], U(0), U(0), a32[1], a32[3], U(0), n32)
     elif tid == Q5_K:
         for r in range(r0, r1):
             out[r] = rowdot_q5_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), nk)

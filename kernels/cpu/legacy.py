@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q5_1, rowdot4t_q4_1, rowdot4_q8_0, rowdot8_q5_0,
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
                                         njit, prange)
@@ -153,7 +153,7 @@ def matvec_q5_0(raw, xq, xd, xs, xm, out):
 def matvec_q5_1(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
     for r in prange(raw.shape[0]):
-        out[r] = rowdot1_q5_1(raw[r], U(0), xq, U(0), U(0), xd, xm, U(0), U(0), nb)
+        out[r] = rowdot1_q5_1(raw[r], U(0), xq, U(0), U(0), xd, xm, U(0), nb)
 
 
 @njit(**JIT)
@@ -172,14 +172,16 @@ ROW_CHUNK = 16
 
 
 @njit(inline="always")
-def _interleave4(v, n4, nb):
-    """Per-token block values (token t's block i at t * nb + i) of the first n4 tokens, with each
-    group of four tokens interleaved: token 4g + j's block i at 4 (g nb + i) + j."""
-    out = np.empty(U(n4) * nb, np.float32)
-    for t in range(n4):
-        g, j = U(t) // U(4), U(t) % U(4)
+def interleave_blocks(v, n_full, group, nb):
+    """Per-token block values (token t's block i at t * nb + i) of the first n_full tokens (a
+    multiple of `group`) interleaved by groups of `group` tokens, as the rowdot tiles read them:
+    token group * g + j's block i at group * (g * nb + i) + j."""
+    out = np.empty(U(n_full) * nb, np.float32)
+    ug = U(group)
+    for t in range(n_full):
+        g, j = U(t) // ug, U(t) % ug
         for i in range(nb):
-            out[U(4) * (g * nb + i) + j] = v[U(t) * nb + i]
+            out[ug * (g * nb + i) + j] = v[U(t) * nb + i]
     return out
 
 
@@ -189,14 +191,14 @@ def matmul_q4_1(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
     n4 = n_tok - n_tok % TILE
-    xdt, xmt = _interleave4(xd, n4, nb), _interleave4(xm, n4, nb)
+    xdt, xmt = interleave_blocks(xd, n4, TILE, nb), interleave_blocks(xm, n4, TILE, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
         for t in range(0, n4, TILE):
             ut = U(t)
             for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4t_q4_1(
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_1(
                     raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xmt, ut * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
@@ -210,6 +212,7 @@ def matmul_q8_0(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
     n4 = n_tok - n_tok % TILE
+    xdt = interleave_blocks(xd, n4, TILE, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
@@ -217,7 +220,7 @@ def matmul_q8_0(raw, xq, xd, xs, xm, out):
             ut = U(t)
             for r in range(r0, r1):
                 out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q8_0(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xd, ut * nb, nb, nb)
+                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xdt, ut * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):
@@ -230,6 +233,7 @@ def matmul_q5_0(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
     n8 = n_tok - n_tok % 8
+    xdt = interleave_blocks(xd, n8, 8, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
@@ -237,7 +241,7 @@ def matmul_q5_0(raw, xq, xd, xs, xm, out):
             ut = U(t)
             for r in range(r0, r1):
                 (out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r], out[t + 4, r], out[t + 5, r], out[t + 6, r],
-                 out[t + 7, r]) = rowdot8_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xd, ut * nb, nb, nb)
+                 out[t + 7, r]) = rowdot8_q5_0(raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xdt, ut * nb, nb)
         for t in range(n8, n_tok):
             ut = U(t)
             for r in range(r0, r1):
@@ -250,6 +254,7 @@ def matmul_q5_1(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
     n4 = n_tok - n_tok % TILE
+    xdt, xmt = interleave_blocks(xd, n4, TILE, nb), interleave_blocks(xm, n4, TILE, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
@@ -257,11 +262,11 @@ def matmul_q5_1(raw, xq, xd, xs, xm, out):
             ut = U(t)
             for r in range(r0, r1):
                 out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q5_1(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xd, xm, ut * nb, nb, nb)
+                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xmt, ut * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):
-                out[t, r] = rowdot1_q5_1(raw, U(r) * rb, xq, ut * nb * U(32), U(0), xd, xm, ut * nb, U(0), nb)
+                out[t, r] = rowdot1_q5_1(raw, U(r) * rb, xq, ut * nb * U(32), U(0), xd, xm, ut * nb, nb)
 
 
 @njit(**JIT)

@@ -541,47 +541,50 @@ def _legacy_weights(builder, wp, o, kind):
 
 def _legacy_tile(kind, n_tok=TILE):
     """A legacy-type row dot product for n_tok tokens at once (a float32 for one token, else a
-    tuple): xq block i of token t at x_off + t * x_stride + 32 i, its scale / Q8_1 sum at
-    b_off + t * b_stride + i."""
+    tuple): xq block i of token t at x_off + t * x_stride + 32 i; its scale d_x (xd) and Q8_1 sum
+    s_x (xm) at b_off + n_tok i + t, the tokens' values interleaved (interleave_blocks), so a
+    block's d_w * d_x and fma(m_w, s_x, summs) are one n_tok-lane op each for all the tokens.
+    Every lane does what the one-token code does: each result is rowdot_<kind>'s, bit for bit."""
     size = _BLOCK_BYTES[kind]
+    lanes = ir.VectorType(_F32, n_tok)
 
     @intrinsic
-    def rowdot_tile(typingctx, w, w_off, xq, x_off, x_stride, xd, xm, b_off, b_stride, nb):
+    def rowdot_tile(typingctx, w, w_off, xq, x_off, x_stride, xd, xm, b_off, nb):
         ret = types.UniTuple(types.float32, n_tok) if n_tok > 1 else types.float32
-        sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xm, types.uint64, types.uint64, types.uint64)
+        sig = ret(w, types.uint64, xq, types.uint64, types.uint64, xd, xm, types.uint64, types.uint64)
 
         def codegen(context, builder, signature, args):
-            w_, w_off_, xq_, x_off_, x_stride_, xd_, xm_, b_off_, b_stride_, nb_ = args
+            w_, w_off_, xq_, x_off_, x_stride_, xd_, xm_, b_off_, nb_ = args
             wp = _ptr(context, builder, signature.args[0], w_)
             xp = _ptr(context, builder, signature.args[2], xq_)
             dp = _ptr(context, builder, signature.args[5], xd_)
             mp = _ptr(context, builder, signature.args[6], xm_)
-            zero8, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
-            accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(n_tok)]
-            sums = [cgutils.alloca_once_value(builder, zero) for _ in range(n_tok)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(n_tok)]
+            sums = cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * n_tok))
             with cgutils.for_range(builder, nb_) as loop:
                 i = loop.index
-                o = builder.add(w_off_, builder.mul(i, ir.Constant(_I64, size)))
+                o = builder.add(w_off_, builder.mul(i, const(size)))
                 d0, m0, qx, signed = _legacy_weights(builder, wp, o, kind)
                 ax = _abs_sign(builder, qx, qx)[0] if signed else qx
+                bo = builder.add(b_off_, builder.mul(i, const(n_tok)))
+                dd = builder.fmul(_splat(builder, d0, lanes), _load_vec(builder, dp, bo, lanes))
+                if m0 is not None:
+                    builder.store(_fma(builder, _splat(builder, m0, lanes), _load_vec(builder, mp, bo, lanes),
+                                       builder.load(sums)), sums)
                 for t in range(n_tok):
-                    tt = ir.Constant(_I64, t)
-                    bi = builder.add(builder.add(b_off_, builder.mul(tt, b_stride_)), i)
-                    xo = builder.add(builder.add(x_off_, builder.mul(tt, x_stride_)),
-                                     builder.mul(i, ir.Constant(_I64, 32)))
+                    xo = builder.add(builder.add(x_off_, builder.mul(const(t), x_stride_)), builder.mul(i, const(32)))
                     qy = _load_vec(builder, xp, xo, _i8(32))
                     sy = _abs_sign(builder, qx, qy)[1] if signed else qy
                     xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
-                    d1 = builder.load(builder.gep(dp, [bi]))
-                    acc = _fma(builder, _splat(builder, builder.fmul(d0, d1), _V8F), xy, builder.load(accs[t]))
-                    builder.store(acc, accs[t])
-                    if m0 is not None:
-                        s1 = builder.load(builder.gep(mp, [bi]))
-                        builder.store(_fma(builder, m0, s1, builder.load(sums[t])), sums[t])
+                    ddt = builder.shuffle_vector(dd, dd, ir.Constant(_i32(8), [t] * 8))
+                    builder.store(_fma(builder, ddt, xy, builder.load(accs[t])), accs[t])
+            sv = builder.load(sums)
             results = []
             for t in range(n_tok):
                 r = _hsum8(builder, builder.load(accs[t]))
-                results.append(builder.fadd(r, builder.load(sums[t])) if kind in ("q4_1", "q5_1") else r)
+                if kind in ("q4_1", "q5_1"):
+                    r = builder.fadd(r, builder.extract_element(sv, ir.Constant(ir.IntType(32), t)))
+                results.append(r)
             return context.make_tuple(builder, ret, results) if n_tok > 1 else results[0]
 
         return sig, codegen
@@ -589,51 +592,11 @@ def _legacy_tile(kind, n_tok=TILE):
     return rowdot_tile
 
 
+rowdot4_q4_1 = _legacy_tile("q4_1")
 rowdot4_q8_0 = _legacy_tile("q8_0")
 rowdot4_q5_1 = _legacy_tile("q5_1")
 rowdot8_q5_0 = _legacy_tile("q5_0", 8)
-rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token; (x_stride, b_stride unused)
-
-
-_V4F = ir.VectorType(_F32, 4)
-
-
-@intrinsic
-def rowdot4t_q4_1(typingctx, w, w_off, xq, x_off, x_stride, xdt, xmt, t_off, nb):
-    """The Q4_1 row dot product of four tokens (as _legacy_tile's), with their block scales d_x
-    and sums s_x interleaved (block i of token t at t_off + 4 i + t): a block's d_w * d_x and fma(m_w, s_x, summs) are one 4-lane
-    multiply and one 4-lane fma for the four tokens, instead of four scalar ones each. Every lane
-    does what the scalar code does, so the four results are rowdot_q4_1's, bit for bit."""
-    sig = types.UniTuple(types.float32, 4)(w, types.uint64, xq, types.uint64, types.uint64, xdt, xmt,
-                                           types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        w_, w_off_, xq_, x_off_, x_stride_, xd_, xm_, t_off_, nb_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[2], xq_)
-        dp = _ptr(context, builder, signature.args[5], xd_)
-        mp = _ptr(context, builder, signature.args[6], xm_)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
-        sums = cgutils.alloca_once_value(builder, ir.Constant(_V4F, [0.0] * 4))
-        with cgutils.for_range(builder, nb_) as loop:
-            i = loop.index
-            o = builder.add(w_off_, builder.mul(i, const(_BLOCK_BYTES["q4_1"])))
-            d0, m0, qx, _ = _legacy_weights(builder, wp, o, "q4_1")
-            bo = builder.add(t_off_, builder.mul(i, const(4)))
-            dd = builder.fmul(_splat(builder, d0, _V4F), _load_vec(builder, dp, bo, _V4F))
-            builder.store(_fma(builder, _splat(builder, m0, _V4F), _load_vec(builder, mp, bo, _V4F),
-                               builder.load(sums)), sums)
-            for t in range(4):
-                xo = builder.add(builder.add(x_off_, builder.mul(const(t), x_stride_)), builder.mul(i, const(32)))
-                xy = builder.sitofp(_quad_sums(builder, qx, _load_vec(builder, xp, xo, _i8(32))), _V8F)
-                ddt = builder.shuffle_vector(dd, dd, ir.Constant(_i32(8), [t] * 8))
-                builder.store(_fma(builder, ddt, xy, builder.load(accs[t])), accs[t])
-        sv = builder.load(sums)
-        results = [builder.fadd(_hsum8(builder, builder.load(accs[t])), builder.extract_element(sv, ir.Constant(ir.IntType(32), t)))
-                   for t in range(4)]
-        return context.make_tuple(builder, signature.return_type, results)
-
-    return sig, codegen
+rowdot1_q5_1 = _legacy_tile("q5_1", 1)  # one token (x_stride unused)
 
 
 def _k_scale_min(builder, wp, o, b):
