@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1u, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
                                         njit, prange)
@@ -185,6 +185,27 @@ def interleave_blocks(v, n_full, group, nb):
     return out
 
 
+@njit(inline="always")
+def unpack_q4_1_rows(raw, r0, r1, nb):
+    """Rows r0..r1 of a Q4_1 matrix as "q4_1u" blocks of 40 bytes: d and m as float32 (exact
+    conversions of the f16 fields), then the 32 codes a byte each (weights 0..15 from the low
+    nibbles, 16..31 from the high)."""
+    buf = np.empty(U(r1 - r0) * nb * U(40), np.uint8)
+    f = buf.view(np.float32)
+    for r in range(r0, r1):
+        row = raw[r]
+        for b in range(nb):
+            o = b * U(20)
+            ob = (U(r - r0) * nb + b) * U(40)
+            f[ob // U(4)] = load_f16(row, o)
+            f[ob // U(4) + U(1)] = load_f16(row, o + U(2))
+            for j in range(16):
+                q = row[o + U(4) + U(j)]
+                buf[ob + U(8) + U(j)] = q & 15
+                buf[ob + U(24) + U(j)] = q >> 4
+    return buf
+
+
 @njit(**JIT)
 def matmul_q4_1(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
@@ -195,11 +216,12 @@ def matmul_q4_1(raw, xq, xd, xs, xm, out):
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
+        w = unpack_q4_1_rows(raw, r0, r1, nb)  # once for all the token groups
         for t in range(0, n4, TILE):
             ut = U(t)
             for r in range(r0, r1):
-                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_1(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xmt, ut * nb, nb)
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q4_1u(
+                    w, U(r - r0) * nb * U(40), xq, ut * nb * U(32), nb * U(32), xdt, xmt, ut * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):

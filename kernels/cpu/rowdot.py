@@ -515,12 +515,21 @@ sbdot4_min = sbdot_tile(4, True)
 # each token keeping its own accumulators, so every (row, token) result is the one-token row dot
 # product above, bit for bit, at a fraction of the unpacking.
 TILE = 4
-_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24}
+# "q4_1u": a Q4_1 block unpacked for the prompt products (legacy.unpack_q4_1_rows): d and m as
+# float32, then the 32 codes one per byte, so the tiles passing over it skip the f16 conversions
+# and the nibble split
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24, "q4_1u": 40}
 
 
 def _legacy_weights(builder, wp, o, kind):
     """(d, m or None, weights <32 x i8>, signed?) of the legacy block at byte o: unsigned q for
     Q4_1 / Q5_1 (multiplied as u8 x s8), signed q for Q8_0 and Q5_0 (q - 16, as ggml builds it)."""
+    if kind == "q4_1u":
+        dm = _load_vec(builder, wp, o, _i8(8))
+        pair = builder.bitcast(dm, ir.VectorType(_F32, 2))
+        return (builder.extract_element(pair, ir.Constant(ir.IntType(32), 0)),
+                builder.extract_element(pair, ir.Constant(ir.IntType(32), 1)),
+                _load_vec(builder, wp, builder.add(o, ir.Constant(_I64, 8)), _i8(32)), False)
     d0 = _load_half(builder, wp, o)
     if kind == "q4_1":
         m0 = _load_half(builder, wp, builder.add(o, ir.Constant(_I64, 2)))
@@ -547,6 +556,7 @@ def _legacy_tile(kind, n_tok=TILE):
     Every lane does what the one-token code does: each result is rowdot_<kind>'s, bit for bit."""
     size = _BLOCK_BYTES[kind]
     lanes = ir.VectorType(_F32, n_tok)
+    m0_used = kind in ("q4_1", "q4_1u", "q5_1")
 
     @intrinsic
     def rowdot_tile(typingctx, w, w_off, xq, x_off, x_stride, xd, xm, b_off, nb):
@@ -582,7 +592,7 @@ def _legacy_tile(kind, n_tok=TILE):
             results = []
             for t in range(n_tok):
                 r = _hsum8(builder, builder.load(accs[t]))
-                if kind in ("q4_1", "q5_1"):
+                if m0_used:
                     r = builder.fadd(r, builder.extract_element(sv, ir.Constant(ir.IntType(32), t)))
                 results.append(r)
             return context.make_tuple(builder, ret, results) if n_tok > 1 else results[0]
@@ -592,7 +602,7 @@ def _legacy_tile(kind, n_tok=TILE):
     return rowdot_tile
 
 
-rowdot4_q4_1 = _legacy_tile("q4_1")
+rowdot4_q4_1u = _legacy_tile("q4_1u")
 rowdot4_q8_0 = _legacy_tile("q8_0")
 rowdot4_q5_1 = _legacy_tile("q5_1")
 rowdot8_q5_0 = _legacy_tile("q5_0", 8)
