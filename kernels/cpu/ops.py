@@ -369,8 +369,9 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
     n_pad a multiple of 8 >= used and zeros past `used` (as ggml keeps V transposed for this
     product). Per query the loops stop after its last visible key; scores four keys at a time
     for the (up to three) heads sharing a KV head (dot4_heads: each key block loaded and
-    converted once for them, their chains interleaved), the exps in one branch-free pass, probabilities times V^T four rows at a time
-    (pv_t; a key that is not visible adds 0 * v, as in ggml's matrix product)."""
+    converted once for them, their chains interleaved), the exps in one branch-free pass,
+    probabilities times V^T four rows at a time (pv_t; a key that is not visible adds 0 * v, as
+    in ggml's matrix product)."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
     hdv = vt.shape[1]
