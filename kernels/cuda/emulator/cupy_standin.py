@@ -230,6 +230,10 @@ def empty(shape, dtype=float32, order="C") -> ndarray:
     return ndarray(a)
 
 
+def empty_like(a, dtype=None) -> ndarray:
+    return empty(a.shape, dtype if dtype is not None else a.dtype)
+
+
 def full(shape, fill_value, dtype=None) -> ndarray:
     out = empty(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
     out._a.fill(fill_value)
@@ -369,6 +373,6 @@ cuda = SimpleNamespace(
 )
 
 __all__ = [
-    "RawKernel", "RawModule", "asarray", "ascontiguousarray", "asnumpy", "cuda", "empty", "emulated_vram", "full",
+    "RawKernel", "RawModule", "asarray", "ascontiguousarray", "asnumpy", "cuda", "empty", "empty_like", "emulated_vram", "full",
     "get_default_memory_pool", "matmul", "ndarray", "zeros",
 ]
