@@ -46,7 +46,7 @@ def assert_close(got, want, rtol, atol):
 
 # ============================================================================ quantized products
 @pytest.mark.parametrize("ggml_type", list(QUANT_KERNELS), ids=lambda t: t.name)
-def test_quant_kernels_match_numpy_twins(gpu, ggml_type):
+def test_quant_kernels_match_numpy_twins(gpu, ggml_type, monkeypatch):
     cp, rng = gpu.cp, np.random.default_rng(int(ggml_type))
     qt = QUANT_TYPES[ggml_type]
     n_cols = 2 * 256 if qt.block_size > 1 else 300
@@ -62,8 +62,11 @@ def test_quant_kernels_match_numpy_twins(gpu, ggml_type):
     gpu.dequantize(w, dense16)
     np.testing.assert_array_equal(dense16.get(), w_ref.astype(np.float16))
 
-    # n_tok 1 and 3: the matvec kernel (decode); 7: dequantize into the reused buffer + matmul (prompt)
-    for n_tok in (1, 3, 7):
+    # n_tok 1 and 3: the matvec kernel (decode); 7: dequantize into the reused buffer + matmul (prompt);
+    # 6 with a dequantize buffer of 16 rows: W in slices of rows (67 = 4 x 16 + 3), as a big head is
+    for n_tok in (1, 3, 7, 6):
+        if n_tok == 6:
+            monkeypatch.setattr("edgellm.kernels.cuda.backend.DEQUANT_BUFFER_BYTES", 16 * 4 * n_cols)
         x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
         out = cp.empty((n_tok, n_rows), dtype=cp.float32)
         gpu.linear(w, cp.asarray(x), out)

@@ -3,10 +3,15 @@
 and the planner against the emulated device's free memory.
 
 The hybrid logits are close to the CPU run's, not equal: the CPU products quantize the activations to
-q8_1 / q8_K first and sum in ggml's integer order (bit-exact with llama.cpp), while the CUDA kernels
-multiply the dequantized weights by float32 activations (matvec) or run a float32 matmul (prompts).
-Measured on SmolLM2 Q4_1 and Gemma-3 Q4_K_M: see the bounds below (issue 16's: top-1 >= 99.9 %,
-mean KL <= 1e-3). The emulator takes ~1 µs per CUDA thread, so prompts are short and decode steps few.
+q8_0 / q8_1 / q8_K first and sum in ggml's integer order (bit-exact with llama.cpp's CPU backend),
+while the CUDA kernels multiply the dequantized weights by float32 activations (matvec) or run a
+float32 matmul (prompts), which is closer to the exact product (test_cuda_emulated: <= 1e-5 of
+sum |w x|; the CPU's q8 rounding alone moves a SmolLM2 head logit by up to ~0.1 for unit inputs).
+Measured (6-token prompt, teacher-forced): top-1 agreement 1.0 everywhere; mean KL(cpu || gpu)
+2.1e-3 (SmolLM2, 1 layer + head), 2.6e-3 (15 layers), 6.0e-3 (all 30), 5.1e-3 (Gemma-3, all 18);
+greedy tokens identical. KL_MAX holds that with a margin; issue 16's 1e-3 needs the GPU to quantize
+activations as the CPU does (q8_1 MMVQ with __dp4a), not done yet. The emulator takes ~1 µs per CUDA
+thread, so the prompt is short and decode steps few.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow,
 PROMPT = "The capital of France is"
 N_DECODE = 2  # greedy decode steps (one token each: the matvec kernels)
 TOP1_MIN = 0.999
-KL_MAX = 1e-2
+KL_MAX = 1e-2  # measured worst 6.0e-3, see above
 
 
 @pytest.fixture
