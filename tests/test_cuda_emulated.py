@@ -10,7 +10,9 @@ not bit for bit, except the pure bit decoding (dequantize) and the exact element
 from __future__ import annotations
 
 import math
+import os
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +34,9 @@ def gpu(request, monkeypatch):
     monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
     monkeypatch.setenv("CUDAEMU_ORDER", request.param)
     monkeypatch.setenv("CUDAEMU_SEED", "7")
+    planted = os.environ.get("EDGELLM_TEST_CUDA_SOURCES")  # scripts/cuda_mutations.py: a mutated copy
+    if planted:
+        monkeypatch.setattr("edgellm.kernels.cuda.SOURCE_DIR", Path(planted))
     from edgellm.kernels.cuda.backend import CudaBackend
 
     return CudaBackend()
