@@ -225,3 +225,17 @@ def test_not_emulated_without_the_variable(monkeypatch):
     monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
     assert cuda.emulated() and cuda.available()[0]
     assert cuda.require().__name__.endswith("cupy_standin")
+
+
+def test_cpu_path_never_imports_the_emulator(smollm2_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, edgellm; from edgellm.memory import free_vram; free_vram(); "
+            "from edgellm.kernels import cuda; cuda.available(); "
+            f"m = edgellm.load({str(smollm2_path)!r}, n_ctx=32); m.logits(m.tokenize('Hi')); "
+            "print(sorted(n for n in sys.modules if 'emulator' in n or n.startswith('cupy')))")
+    env = {k: v for k, v in os.environ.items() if k != "EDGELLM_CUDA_EMULATE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
