@@ -337,12 +337,13 @@ class CudaBackend:
         self._elementwise("gelu_mul_f32", (gate, up), out)
 
     def add(self, x, y, out) -> None:
-        """out = x + y; y may be a vector (n,) broadcast over the rows of x (a bias)."""
+        """out = x + y; y may be broadcast over the leading axes of x (a bias: (n,) over (n_tok, n), or
+        (n_head, head_dim) over (n_tok, n_head, head_dim) as qkv_attention_by_ops passes it)."""
         if y.size == x.size:
             self._elementwise("add_f32", (x, y), out)
             return
         n = y.size
-        if x.shape[-1] != n or y.ndim != 1:
+        if not 0 < y.ndim < x.ndim or tuple(x.shape[x.ndim - y.ndim:]) != tuple(y.shape):
             raise InvalidArgumentError(f"add: cannot broadcast {y.shape} over {x.shape}")
         for a in (x, y, out):
             self._require_contiguous("add", a)
