@@ -82,7 +82,9 @@ def test_atomics(m):
     ("shuffles", (128,), lambda n: (np.zeros(n, np.int32), np.zeros(6 * n, np.int32), 32), "argument 2 is given as i8"),
     ("shuffles", (48,), lambda n: (np.zeros(n, np.int32), np.zeros(6 * n, np.int32), np.int32(32)),
      "names lanes that do not exist"),
-], ids=["divergent-barrier", "launch-bounds", "argument-type", "partial-warp-full-mask"])
+    ("early_exit_before_shuffle", (32,), lambda n: (np.zeros(n, np.int32),), "lane 0 of the warp has exited"),
+], ids=["divergent-barrier", "launch-bounds", "argument-type", "partial-warp-full-mask", "exited-lane-in-mask"])
 def test_errors_are_reported(m, kernel, grid_block, args, message):
+    m.set_options(order="forward")  # lane 0 runs (and exits) first
     with pytest.raises(EmuError, match=message.replace("(", r"\(").replace(")", r"\)")):
         m.get_function(kernel)((1,), grid_block, args(grid_block[0]))

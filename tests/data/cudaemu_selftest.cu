@@ -42,3 +42,8 @@ extern "C" __global__ void atomics(int* counter, float* fsum) {
     atomicAdd(counter, 1);
     atomicAdd(fsum, 0.5f);
 }
+
+extern "C" __global__ void early_exit_before_shuffle(int* out) {
+    if (threadIdx.x == 0) return;  // lane 0 leaves; the others name it in their mask
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}

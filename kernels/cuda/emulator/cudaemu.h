@@ -131,6 +131,7 @@ static const char* op_name(int op) {
 
 struct Warp {
     unsigned arrived = 0;  // lanes waiting in the current collective
+    unsigned exited = 0;   // lanes whose thread has returned (this block)
     unsigned mask = 0;
     int op = OP_NONE, param_width = 32, size = 0, line = 0;
     int params[32];
@@ -318,6 +319,7 @@ inline void on_thread_exit(Runtime& R) {
     me.state = DONE;
     --R.n_live;
     Warp& w = R.warps[me.warp];
+    w.exited |= 1u << me.lane;
     if (w.arrived && (w.mask >> me.lane & 1u))
         fail("exited while lanes 0x%08x of its warp wait in %s (line %d) with mask 0x%08x that names it", w.arrived,
              op_name(w.op), w.line, w.mask);
@@ -684,12 +686,10 @@ inline unsigned long long collective(int op, unsigned mask, unsigned long long v
         fail("%s (line %d): width %d is not a power of two in 1..32", op_name(op), line, width);
         park_forever();
     }
-    for (int l = 0; l < 32; ++l) {  // a lane named in the mask that already exited can never arrive
-        size_t t = (size_t)me.warp * 32 + l;
-        if ((mask >> l & 1u) && t < R.fibers.size() && R.fibers[t].state == DONE) {
-            fail("%s (line %d) with mask 0x%08x, but lane %d of the warp has exited", op_name(op), line, mask, l);
-            park_forever();
-        }
+    if (mask & w.exited) {  // a lane named in the mask that already exited can never arrive
+        fail("%s (line %d) with mask 0x%08x, but lane %d of the warp has exited", op_name(op), line, mask,
+             __builtin_ctz(mask & w.exited));
+        park_forever();
     }
     if (w.arrived == 0) {
         w.mask = mask;
