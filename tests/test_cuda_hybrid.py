@@ -156,3 +156,29 @@ def test_hybrid_synthetic_architectures(emulate, tmp_path, arch, type_name):
         top1, kl = compare(want, got)
         print(f"{arch} {type_name}: top-1 {top1:.4f}, mean KL {kl:.2e}, max |dlogit| {np.abs(want - got).max():.3g}")
         assert top1 >= 0.9 and kl <= 3e-3
+
+
+def test_cli_run_with_gpu_layers_on_the_emulated_gpu(tmp_path):
+    """`edgellm run --gpu-layers N` end to end with EDGELLM_CUDA_EMULATE=1; the same command without the
+    variable gives the one-line no-GPU error here (the stand-in is never picked up silently)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from gguf import GGMLQuantizationType as GGMLType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / "llama.gguf", arch="llama", n_layer=3, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType.Q4_K, seed=3))
+    cmd = [sys.executable, "-m", "edgellm.cli", "run", path, "--gpu-layers", "2", "-p", "hi", "-n", "3",
+           "--temp", "0", "--ignore-eos"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGELLM_CUDA_EMULATE")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "EDGELLM_CUDA_EMULATE": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "generated 3 tok" in r.stderr and "gpu" in r.stderr.splitlines()[-1]
+    if importlib.util.find_spec("cupy") is None:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+        assert "needs a GPU" in r.stderr and "emulat" not in r.stderr
