@@ -182,3 +182,22 @@ def test_cli_run_with_gpu_layers_on_the_emulated_gpu(tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
         assert "needs a GPU" in r.stderr and "emulat" not in r.stderr
+
+
+def test_many_sequences_on_the_emulated_gpu(emulate, tmp_path):
+    """The paged KV cache on the GPU (kv_array in VRAM, per-sequence key lists gathered for the kernel):
+    three prompts decoded together give each one's text decoded alone, every layer on the GPU."""
+    from gguf import GGMLQuantizationType as GGMLType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType.Q4_K, seed=5))
+    m = edgellm.load(path, gpu_layers=-1, n_ctx=64, n_batch=16, n_seq=3)
+    assert m.runtime.layer_devices == ["gpu"] * 2
+    prompts = [[1, 17, 99, 300, 4], [1, 250, 8], [1, 42, 42, 42, 42, 42, 42, 7, 9, 11]]
+    sampling = dict(max_tokens=5, temperature=0, ignore_eos=True)
+    requests = [m.submit(p, **sampling) for p in prompts]  # queued together, decoded as one ragged batch
+    together = [[c.token for c in r] for r in requests]
+    alone = [[c.token for c in m.generate(p, **sampling)] for p in prompts]
+    assert together == alone and all(len(t) == 5 for t in together)
