@@ -29,6 +29,9 @@ from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes
 from edgellm.memory import MiB, Budgets, format_size
 
 
+# The GPU backend's prompt products dequantize at most this many bytes of a matrix at a time
+# (kernels/cuda/backend.py DEQUANT_BUFFER_BYTES; the planner imports no CuPy code).
+GPU_DEQUANT_BYTES = 32 << 20
 # GPU runtime: the CUDA context (~300-450 MiB of device memory on a current driver with lazy module
 # loading, more on GPUs with many SMs), the cuBLAS handle and workspace (~32-64 MiB) and the rounding
 # of CuPy's memory pool. 512 MiB covers that range; it is charged only when the GPU holds a layer.
@@ -165,16 +168,23 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             q=t * q_dim * F32,  # (n_tok, n_head, head_dim_k)
             k=t * kv_dim_k * F32,  # (n_tok, n_head_kv, head_dim_k), before it is written to the cache
             v=t * kv_dim_v * F32,  # (n_tok, n_head_kv, head_dim_v)
-            # attention scores: the GPU kernels hold (n_head, n_tok, n_ctx); the CPU kernel one row of
-            # scores and 32 lanes of head_dim_v sums per thread
-            attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) if is_host
-                         else c.n_head * t * n_ctx_attn) * F32,
+            # attention: the CPU kernel holds one row of scores and 32 lanes of head_dim_v sums per
+            # thread; on the GPU a sequence's keys and values are gathered from the paged cache
+            # (n_ctx of them, f16) for the kernel, which keeps its scores in shared memory
+            attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) * F32 if is_host
+                         else n_ctx_attn * (kv_dim_k + kv_dim_v) * 2),
             attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
             proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
             ffn_gate=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff): a prompt's FFN runs in chunks
             ffn_up=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff)
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
+    if not is_host and (runs_blocks or holds_head):
+        # a prompt's product dequantizes its matrix to float32, at most GPU_DEQUANT_BYTES at a time
+        # (a slice of rows of a larger one), and the slice's output (n_tok, rows of the slice)
+        widest_matrix = max(c.n_ff, c.n_vocab if holds_head else 0, c.n_head * c.head_dim_k) * c.n_embd
+        buffers["dequant"] = min(widest_matrix * F32, GPU_DEQUANT_BYTES)
+        buffers["dequant_out"] = t * (buffers["dequant"] // (c.n_embd * F32)) * F32
     if holds_head or is_host:
         # (rows, n_vocab): a generation step needs the logits of one row per sequence (the last
         # token of each); Model.logits() of a whole batch allocates its own n_tok rows on top

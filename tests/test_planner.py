@@ -93,7 +93,11 @@ def test_activation_terms_are_the_named_buffers(sparse_models):
     cfg, sizes = facts(sparse_models["7b", "Q4_K"])
     p = plan(cfg, sizes, n_ctx=4096, n_batch=512, gpu_layers=4, budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
     cpu, gpu = dict(p.cpu.activation_buffers), dict(p.gpu.activation_buffers)
-    assert gpu["attn_scores"] == 32 * 512 * 4096 * 4  # n_head × n_batch × n_ctx float32
+    assert gpu["attn_scores"] == 4096 * (32 * 128 * 2) * 2  # a sequence's K and V gathered (f16)
+    assert gpu["dequant"] == 32 << 20  # at most this much of a matrix at a time, as the backend does
+    from edgellm.kernels.cuda.backend import DEQUANT_BUFFER_BYTES
+
+    assert DEQUANT_BUFFER_BYTES == 32 << 20
     assert gpu["ffn_gate"] == gpu["ffn_up"] == 128 * 11008 * 4  # the FFN runs 128 tokens at a time
     # one row of logits per sequence (a generation's step), on the head's device and the host copy
     assert gpu["logits"] == cpu["logits"] == 1 * 32000 * 4
