@@ -154,11 +154,14 @@ class Runtime:
         if last < 0 and rows is not None:
             x = x[rows]
         ob = self.model.output_backend
-        if ob is not cur:
-            x = self._cross(x, cur, ob)
-        t0 = time.perf_counter()
-        logits = self.model.head(x)
-        timing.add(ob.device, time.perf_counter() - t0)
+        if x.shape[0] == 0:  # no logits wanted (a prompt chunk that does not end its prompt)
+            logits = np.empty((0, self.cfg.n_vocab), np.float32)
+        else:
+            if ob is not cur:
+                x = self._cross(x, cur, ob)
+            t0 = time.perf_counter()
+            logits = self.model.head(x)
+            timing.add(ob.device, time.perf_counter() - t0)
         timing.tokens += n
         for seq, t in entries:
             seq.commit(t)

@@ -63,6 +63,20 @@ def test_one_sequence_is_the_single_context_path_bit_for_bit(model):
     assert req.stats.prompt_tokens == len(ids) and req.stats.gen_tokens == 6 and req.finish_reason == "length"
 
 
+def test_a_prompt_longer_than_the_batch_runs_in_chunks(model):
+    """150 tokens with n_batch 64: two chunks whose logits nobody needs, then the last one; the
+    sampled tokens are eval()'s (which runs the same chunks)."""
+    ids = model.tokenize(" ".join(["The quick brown fox jumps over the lazy dog."] * 15))
+    assert len(ids) > 2 * 64
+    got = [c.token for c in model.generate(ids, max_tokens=4, **GREEDY)]
+    model.reset()
+    want = [int(np.argmax(model.eval(ids)))]
+    for _ in range(3):
+        want.append(int(np.argmax(model.eval([want[-1]]))))
+    model.reset()
+    assert got == want
+
+
 def test_sequences_decoded_together_agree_with_decoding_alone(model, alone):
     reqs = [model.submit(p, max_tokens=16, **GREEDY) for p in PROMPTS]
     together = [[c.token for c in r] for r in reqs]
