@@ -144,6 +144,17 @@ def kv_cache_bytes(config, il: int, shape: RunShape) -> int:
     return n * BLOCK_SIZE * kv_bytes_per_token(config, shape.kv_type)
 
 
+def kv_pool_groups(config, shape: RunShape) -> tuple:
+    """The KV pool per group of layers sharing a window: (window, layers, blocks, bytes)."""
+    windows = [layer_window(config, il) for il in range(config.n_layer)]
+    out = []
+    for w in sorted(set(windows)):
+        n_layers = windows.count(w)
+        blocks = pool_blocks(w, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_seq=shape.n_seq, kv_size=shape.kv_size)
+        out.append((w, n_layers, blocks, n_layers * blocks * BLOCK_SIZE * kv_bytes_per_token(config, shape.kv_type)))
+    return tuple(out)
+
+
 def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head: bool, is_host: bool,
                        n_ctx_attn: int) -> dict[str, int]:
     """Named float32 buffers of one forward step of n_tok = min(n_batch, n_ctx) tokens, in bytes.
@@ -238,6 +249,7 @@ class Plan:
     gpu: Ledger
     notes: tuple[str, ...] = ()  # why the split is what it is
     remedies: tuple[str, ...] = field(default=(), compare=False)  # when it does not fit, in order
+    kv_pool: tuple = field(default=(), compare=False)  # per layer group: (window, n_layers, blocks, bytes)
 
     @property
     def fits(self) -> bool:
@@ -267,6 +279,9 @@ class Plan:
             "n_batch": self.shape.n_batch,
             "n_seq": self.shape.n_seq,
             "kv_type": self.shape.kv_type,
+            "kv_pool": {"block_size": BLOCK_SIZE,
+                        "groups": [{"window": w, "layers": n, "blocks": b, "bytes": nb}
+                                   for w, n, b, nb in self.kv_pool]},
             "devices": {name: ledger.as_dict() for name, ledger in self.devices.items()},
             "notes": list(self.notes),
             "remedies": list(self.remedies),
@@ -361,7 +376,7 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
 
     cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
     layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
-    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes))
+    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape))
     if not result.fits:
         result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs)))
         if check:
