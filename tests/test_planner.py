@@ -219,6 +219,10 @@ def test_sliding_window_layers_hold_window_plus_batch(gemma3):
     assert p.cpu.kv_cache == per_cell * (3 * 8192 + 15 * (512 + 256 + 32 + 16))
     p4 = plan(cfg, sizes, n_ctx=8192, n_batch=256, n_seq=4, budgets=BIG)
     assert p4.cpu.kv_cache == 4 * p.cpu.kv_cache
+    pool = p4.to_json()["kv_pool"]
+    assert [(g["window"], g["layers"]) for g in pool["groups"]] == [(0, 3), (512, 15)]
+    assert sum(g["bytes"] for g in pool["groups"]) == p4.cpu.kv_cache
+    assert pool["groups"][0]["blocks"] == 4 * 8192 // pool["block_size"]
     short = plan(cfg, sizes, n_ctx=600, n_batch=256, budgets=BIG)  # window + batch > n_ctx: n_ctx in blocks
     assert short.cpu.kv_cache == per_cell * 18 * 608
 
