@@ -225,3 +225,24 @@ def test_quantized_kv_caches_cost_little_quality_and_less_memory(smollm2_path):
         texts = m.generate_batch(PROMPTS[:2], max_tokens=6, **GREEDY)
         assert all(len(m.tokenize(t, add_special=False)) >= 3 for t in texts)
         m.close()
+
+
+def test_the_engine_thread_ends_when_idle_and_a_dropped_model_is_freed(smollm2_path, monkeypatch):
+    import gc
+    import weakref
+
+    from edgellm import scheduler
+
+    monkeypatch.setattr(scheduler, "IDLE_S", 0.2)
+    m = edgellm.load(smollm2_path, n_ctx=128)
+    assert len(list(m.generate("Hi", max_tokens=2, **GREEDY))) == 2
+    thread = m.engine._thread
+    wait_for(lambda: m.engine._thread is None, timeout=10)
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(list(m.generate("Hello", max_tokens=2, **GREEDY))) == 2  # a new request starts it again
+    ref = weakref.ref(m)
+    wait_for(lambda: m.engine._thread is None, timeout=10)
+    del m
+    gc.collect()
+    assert ref() is None
