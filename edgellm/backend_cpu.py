@@ -497,8 +497,52 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
     b.rope(k, pos, n_rot, freq_base, freq_scale, neox)
     if q_scale != 1.0:
         q *= np.float32(q_scale)
+    quant = getattr(kv, "quant", None)
+    rot_k = hadamard(rotation_size(k.shape[-1], widest=True)) if quant is not None else None
+    rot_v = hadamard(rotation_size(v.shape[-1], widest=False)) if quant is not None else None
+    if rot_k is not None:  # a block-quantized cache: q and k rotated alike, so q . k is unchanged
+        rotate(q, rot_k)
+        rotate(k, rot_k)
+    if rot_v is not None:
+        rotate(v, rot_v)
     b.kv_store(kv, k, v, pos)
     b.attention(q, kv, pos, scale, out)
+    if rot_v is not None:  # the output is a sum of rotated values: rotate it back (H H = I)
+        rotate(out.reshape(out.shape[0], -1, v.shape[-1]), rot_v)
+
+
+# Before a block-quantized cache stores K and V, llama.cpp rotates q and k (and v, rotating the
+# attention output back) by an orthonormal Walsh-Hadamard matrix, which spreads outlier values over
+# the block and makes the 4/8-bit blocks far more accurate (SmolLM2 q4_0: mean KL 0.17 -> 0.05).
+# Size: K the largest power of two >= 64 dividing head_dim, V 64; none when head_dim % 64 != 0.
+def rotation_size(head_dim: int, widest: bool) -> int:
+    if head_dim % 64:
+        return 0
+    n = 64
+    while widest and head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard(n: int) -> np.ndarray | None:
+    """float32 (n, n) orthonormal Walsh-Hadamard matrix (Sylvester's construction: symmetric, H H = I);
+    None for n = 0."""
+    if n == 0:
+        return None
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    h = (h / np.sqrt(n)).astype(F32)
+    h.flags.writeable = False
+    return h
+
+
+def rotate(x: np.ndarray, h: np.ndarray) -> None:
+    """In place: each run of len(h) values along x's last axis times h."""
+    n = h.shape[0]
+    flat = x.reshape(-1, n)
+    flat[:] = flat @ h
 
 
 _NONE = np.empty(0, dtype=F32)  # "no weight" / "no bias" for the kernels (read-only use)

@@ -211,8 +211,9 @@ def test_quantized_kv_caches_cost_little_quality_and_less_memory(smollm2_path):
     ids = base.tokenize(text)
     ref = base.logits(ids)
     kv_f16 = base.memory()["cpu"]["kv_cache"]
-    # against the f16 cache (what the quantization costs; measured 0.0039 / 0.979 and 0.13 / 0.9)
-    for kind, max_kl, min_top1 in (("q8_0", 0.006, 0.95), ("q4_0", 0.3, 0.8)):
+    # against the f16 cache: what the quantization costs. With llama.cpp's Hadamard rotation of q/k/v
+    # q4_0 costs ~0.05 (0.13 without it; llama.cpp's own q4_0 vs f16 on its text: 0.055)
+    for kind, max_kl, min_top1 in (("q8_0", 0.006, 0.95), ("q4_0", 0.1, 0.8)):
         m = edgellm.load(smollm2_path, n_ctx=256, kv_type=kind, n_seq=2)
         got = m.logits(ids)
         kl = softmax_kl(ref, got)
