@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from edgellm import sampling as _sampling
 from edgellm.errors import ContextFullError, InvalidArgumentError
 
 
@@ -175,8 +176,9 @@ class Model:
             raise InvalidArgumentError("the prompt is empty")
         return ids
 
-    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+    def generate(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
+                 top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
+                 repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
                  stop: Iterable[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
         """Complete `prompt` (str or token ids) in a fresh context, streaming Chunks."""
         from edgellm.sampling import Sampler, SamplingParams

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from edgellm import sampling
 from edgellm.errors import InvalidArgumentError
 
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = sampling.CHAT_MAX_TOKENS
 
 
 def gpu_layers_arg(value: str) -> int | str:
@@ -34,11 +35,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temp", type=float, default=0.8, metavar="T", help="temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, default=40, metavar="K")
-    parser.add_argument("--top-p", type=float, default=0.95, metavar="P")
-    parser.add_argument("--min-p", type=float, default=0.05, metavar="P")
-    parser.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R")
+    parser.add_argument("--temp", type=float, default=sampling.TEMPERATURE, metavar="T",
+                        help=f"temperature (0: greedy; default {sampling.TEMPERATURE})")
+    parser.add_argument("--top-k", type=int, default=sampling.TOP_K, metavar="K")
+    parser.add_argument("--top-p", type=float, default=sampling.TOP_P, metavar="P")
+    parser.add_argument("--min-p", type=float, default=sampling.MIN_P, metavar="P")
+    parser.add_argument("--repeat-penalty", type=float, default=sampling.REPEAT_PENALTY, metavar="R")
     parser.add_argument("--seed", type=int, default=None, metavar="S")
 
 
