@@ -69,33 +69,14 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
 
 
 class _CompileReport:
-    """"compiling kernels (first run only)" on stderr with a count and the kernel at work, as the
-    first run of an install compiles them (on a terminal one line, redrawn; otherwise a line per
-    kernel). Silent when every kernel comes from the disk cache."""
+    """"compiling kernels (first run only)" on stderr: one line, redrawn on a terminal, with the
+    kernels compiled so far and the seconds spent (see edgellm.precompile.CompileProgress). Silent
+    when every kernel comes from the disk cache."""
 
-    def __init__(self, stream=None):
-        import sys
+    def __new__(cls, stream=None):
+        from edgellm.precompile import CompileProgress
 
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.count = 0
-        self.t0 = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        self.count += 1
-        line = f"compiling kernels (first run only): {self.count} {name}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def done(self) -> None:
-        if self.count:
-            end = "\r\033[K" if self.tty else ""
-            self.stream.write(f"{end}compiled {self.count} kernels in {time.perf_counter() - self.t0:.0f} s "
-                              "(cached for the next runs)\n")
-            self.stream.flush()
+        return CompileProgress(stream)
 
 
 class Model:

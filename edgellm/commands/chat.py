@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     # A first-use download prints its progress here, on the plain terminal, before the UI starts;
     # loading the file (seconds) then happens behind the app's loading screen.
     path = resolve_model(args.model, quiet=False)
+    from edgellm.precompile import prepare
+
+    prepare(path, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:
