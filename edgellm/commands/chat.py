@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"longest answer in tokens (default {DEFAULT_MAX_TOKENS}; editable in the app)")
     parser.add_argument("--system", default="", metavar="TEXT", help="system prompt (editable in the app)")
+    parser.add_argument("--resume", action="store_true", help="reopen the last kept chat")
+    parser.add_argument("--no-history", action="store_true",
+                        help="keep no chats (by default every chat is kept in the user data dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     def load():
         return edgellm.load(path, **load_options)
 
-    return run_chat(load, settings)
+    return run_chat(load, settings, history=not getattr(args, "no_history", False),
+                    resume=getattr(args, "resume", False))
 
 
 def _max_tokens(args: argparse.Namespace) -> int:
