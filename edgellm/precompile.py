@@ -12,8 +12,8 @@ single thread; the workers fill the disk cache and the load that follows finds e
     precompile(path, kv_type="f16", report=CompileProgress()) -> bool   # False: nothing to do
 
 A model whose kernels were compiled before is recognised by a stamp in the kernel cache (its file,
-size and KV type), so later runs start no worker. Any worker failure is harmless: the load then
-compiles what is missing, as it would without this step.
+size, mtime and KV type), so later runs start no worker. Any worker failure is harmless: the load
+then compiles what is missing, as it would without this step.
 """
 from __future__ import annotations
 
@@ -218,9 +218,10 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
         p.returncode = os.waitstatus_to_exitcode(status)
         ok &= p.returncode == 0
         report.worker_cpu_s.append(usage.ru_utime + usage.ru_stime)
-    if ok:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(f"{path}\n")
+    # Stamped even when a worker failed: the load compiles what is missing once, and later runs
+    # should not pay for starting workers that fail again.
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(f"{path}\nworkers {'ok' if ok else 'failed'}\n")
     return True
 
 

@@ -85,3 +85,14 @@ def test_cold_run_compiles_in_workers_and_the_load_finds_them(smollm2_path, tmp_
     assert len(re.findall(r"^compiled \d+ kernels in", r.stderr, re.M)) == 1, r.stderr
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "compil" not in again.stderr, again.stderr
+
+
+def test_prepare_never_fails(tmp_path, monkeypatch):
+    """A file the workers cannot read is left to the load, which reports it with its own message."""
+    from edgellm.precompile import prepare
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    prepare(bad)  # no exception, no worker started (the file does not open)
+    assert not (tmp_path / "numba" / "edgellm-models").exists()
