@@ -195,29 +195,36 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
     report.steps(0, total)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "edgellm.precompile", str(path), kv_type, json.dumps(share)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
              for share in shares if share]
-    done, ok = 0, True
+    done = 0
     with selectors.DefaultSelector() as sel:
         for p in procs:
-            sel.register(p.stdout, selectors.EVENT_READ, p)
+            sel.register(p.stdout, selectors.EVENT_READ, bytearray())  # data: the unfinished line
         while sel.get_map():
             for key, _ in sel.select():
-                line = key.fileobj.readline()
-                if not line:
+                data = os.read(key.fd, 4096)  # not readline: a buffered reader would hold lines back
+                if not data:
                     sel.unregister(key.fileobj)
                     continue
-                kind, _, value = line.rstrip("\n").partition(" ")
-                if kind == "kernel":
-                    report(value)
-                elif kind == "step":
-                    done += 1
-                    report.steps(done, total)
+                key.data.extend(data)
+                *lines, rest = key.data.split(b"\n")
+                key.data[:] = rest
+                for line in lines:
+                    kind, _, value = line.decode(errors="replace").partition(" ")
+                    if kind == "kernel":
+                        report(value)
+                    elif kind == "step":
+                        done += 1
+                        report.steps(done, total)
+    ok = True
     for p in procs:
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        ok &= p.returncode == 0
-        report.worker_cpu_s.append(usage.ru_utime + usage.ru_stime)
+        p.stdout.close()
+        if hasattr(os, "wait4"):  # POSIX: the worker's CPU seconds come with its exit status
+            _, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            report.worker_cpu_s.append(usage.ru_utime + usage.ru_stime)
+        ok &= p.wait() == 0
     # Stamped even when a worker failed: the load compiles what is missing once, and later runs
     # should not pay for starting workers that fail again.
     stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -228,8 +235,8 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
 def prepare(path, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) -> None:
     """What the commands call before loading: precompile with one progress line on stderr when all
     layers run on the CPU. Never fails: whatever goes wrong here, the load compiles (or reports)."""
-    if gpu_layers != 0 or os.environ.get("EDGELLM_NO_PRECOMPILE"):
-        return
+    if gpu_layers != 0 or os.environ.get("EDGELLM_NO_PRECOMPILE") or sys.platform == "win32":
+        return  # (Windows: select() does not take pipes; the load compiles in the process)
     report = CompileProgress()
     try:
         precompile(path, kv_type=kv_type, report=report)
