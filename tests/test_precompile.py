@@ -96,3 +96,40 @@ def test_prepare_never_fails(tmp_path, monkeypatch):
     bad.write_bytes(b"GGUF but not really")
     prepare(bad)  # no exception, no worker started (the file does not open)
     assert not (tmp_path / "numba" / "edgellm-models").exists()
+
+
+DOWNLOAD_SCRIPT = r"""
+import os, shutil, sys, time
+from pathlib import Path
+import edgellm.fetch as fetch
+from edgellm.precompile import fetch_and_prepare
+
+real, numba_dir = Path(sys.argv[1]), Path(os.environ["NUMBA_CACHE_DIR"])
+
+def slow_download(m, target, *, quiet):
+    # a download that lasts until the stand-in's decode kernel is in the disk cache (at most 20 min)
+    deadline = time.monotonic() + 1200
+    while not any("decode_block" in p.name and p.suffix == ".nbi" for p in numba_dir.rglob("*")):
+        assert time.monotonic() < deadline, "the stand-in compiled nothing during the download"
+        time.sleep(0.5)
+    print("decode kernel compiled during the download", file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(real, target)
+
+fetch._fetch = slow_download
+print(fetch_and_prepare("smollm2-135m", verbose=True))
+"""
+
+
+@pytest.mark.real
+def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), EDGELLM_CACHE=str(tmp_path / "cache"))
+    env.pop("EDGELLM_NO_PRECOMPILE", None)
+    r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(smollm2_path)], env=env, capture_output=True,
+                       text=True, timeout=2400)
+    assert r.returncode == 0, r.stderr
+    assert "decode kernel compiled during the download" in r.stderr
+    assert r.stdout.strip() == str(tmp_path / "cache" / "models" / smollm2_path.name)
+    # after the download only what the stand-in did not cover is compiled (a cold cache: ~30)
+    compiled = int(re.search(r"compiled (\d+) kernels in", r.stderr).group(1))
+    assert 0 < compiled <= 8, r.stderr

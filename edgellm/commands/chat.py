@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import edgellm
-    from edgellm.fetch import resolve_model
+    from edgellm.precompile import fetch_and_prepare
     from edgellm.tui.app import run_chat
     from edgellm.tui.session import ChatSettings
 
@@ -76,12 +76,10 @@ def run(args: argparse.Namespace) -> int:
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    # A first-use download prints its progress here, on the plain terminal, before the UI starts;
-    # loading the file (seconds) then happens behind the app's loading screen.
-    path = resolve_model(args.model, quiet=False)
-    from edgellm.precompile import prepare
-
-    prepare(path, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
+    # A first-use download and the first run's kernel compile print their progress here, on the
+    # plain terminal, before the UI starts; loading the file (seconds) then happens behind the app's
+    # loading screen.
+    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:

@@ -1,5 +1,6 @@
-"""`edgellm pull NAME`: fetch a known model into the user cache dir, then compile its CPU kernels
-(in parallel worker processes, see edgellm.precompile) so that the first `run` starts at once."""
+"""`edgellm pull NAME`: fetch a known model into the user cache dir and compile its CPU kernels
+(most of them while the download runs, in worker processes; see edgellm.precompile) so that the
+first `run` starts at once."""
 from __future__ import annotations
 
 import argparse
@@ -13,12 +14,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from edgellm.fetch import model_path
+    from edgellm.fetch import KNOWN_MODELS, model_path
+    from edgellm.errors import ModelNotFoundError
 
-    path = model_path(args.name, quiet=False)
-    if not args.no_compile:
-        from edgellm.precompile import prepare
+    if args.no_compile:
+        path = model_path(args.name, quiet=False)
+    elif args.name not in KNOWN_MODELS:  # before anything starts: the message lists the names
+        raise ModelNotFoundError(f"unknown model '{args.name}'; known: {', '.join(KNOWN_MODELS)}")
+    else:
+        from edgellm.precompile import fetch_and_prepare
 
-        prepare(path)
+        path = fetch_and_prepare(args.name)
     print(path)
     return 0

@@ -46,11 +46,9 @@ def run(args) -> int:
 
     if args.n_predict < -1:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
-    from edgellm.fetch import resolve_model
-    from edgellm.precompile import prepare
+    from edgellm.precompile import fetch_and_prepare
 
-    path = resolve_model(args.model, quiet=False)
-    prepare(path, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
+    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False)
     if args.verbose:
