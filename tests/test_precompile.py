@@ -133,3 +133,23 @@ def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path):
     # after the download only what the stand-in did not cover is compiled (a cold cache: ~30)
     compiled = int(re.search(r"compiled (\d+) kernels in", r.stderr).group(1))
     assert 0 < compiled <= 8, r.stderr
+
+
+def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
+    """The stand-in compiled during a download is a valid file of the model's architecture, whose
+    warm-up has a decode and a prompt part (what the workers split)."""
+    from gguf import GGMLQuantizationType
+
+    from edgellm.fetch import KNOWN_MODELS
+    from edgellm.precompile import _open, step_groups
+    from edgellm.synthetic import write_synthetic_gguf
+
+    for name, known in KNOWN_MODELS.items():
+        arch, type_name = known.stand_in
+        path = write_synthetic_gguf(tmp_path / f"{name}.gguf", arch=arch, n_layer=2, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLQuantizationType[type_name])
+        cfg, _, model = _open(str(path), 1)
+        assert cfg.arch == arch
+        groups = step_groups(model, cfg)
+        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 9}
+        assert model.blocks[0].attn_q.ggml_type == GGMLQuantizationType[type_name]
