@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from edgellm import sampling as _sampling
 from edgellm.errors import InvalidArgumentError
 from edgellm.generate import Chunk, Request, SeqStream, Stats, split_stop as _split_stop  # noqa: F401
 
@@ -63,33 +64,14 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
 
 
 class _CompileReport:
-    """"compiling kernels (first run only)" on stderr with a count and the kernel at work, as the
-    first run of an install compiles them (on a terminal one line, redrawn; otherwise a line per
-    kernel). Silent when every kernel comes from the disk cache."""
+    """"compiling kernels (first run only)" on stderr: one line, redrawn on a terminal, with the
+    kernels compiled so far and the seconds spent (see edgellm.precompile.CompileProgress). Silent
+    when every kernel comes from the disk cache."""
 
-    def __init__(self, stream=None):
-        import sys
+    def __new__(cls, stream=None):
+        from edgellm.precompile import CompileProgress
 
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.count = 0
-        self.t0 = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        self.count += 1
-        line = f"compiling kernels (first run only): {self.count} {name}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def done(self) -> None:
-        if self.count:
-            end = "\r\033[K" if self.tty else ""
-            self.stream.write(f"{end}compiled {self.count} kernels in {time.perf_counter() - self.t0:.0f} s "
-                              "(cached for the next runs)\n")
-            self.stream.flush()
+        return CompileProgress(stream)
 
 
 class Model:
@@ -184,8 +166,9 @@ class Model:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
 
-    def submit(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
-               top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+    def submit(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
+               top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
+               repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
                stop: Iterable[str] = (), ignore_eos: bool = False, logprobs: int | None = None) -> Request:
         """Queue `prompt` (str or token ids) on the engine; returns a Request: an iterator of Chunks,
         with .cancel() and .stats. Thread-safe; concurrent requests are decoded together.
@@ -208,8 +191,9 @@ class Model:
             req.cancel()
         return req
 
-    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+    def generate(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
+                 top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
+                 repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
                  stop: Iterable[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
         """Complete `prompt` (str or token ids), streaming Chunks; `stats` follows this call. The
         longest cached prefix of the prompt is reused (a chat's earlier turns are not recomputed).

@@ -14,6 +14,8 @@ COMMANDS = {
     "plan": ("edgellm.commands.plan", "plan CPU/GPU layer placement from the memory ledger"),
     "bench": ("edgellm.commands.bench", "measure prompt (pp) and decode (tg) speed"),
     "pull": ("edgellm.commands.pull", "fetch a known model into the cache"),
+    "ls": ("edgellm.commands.ls", "list the cached models"),
+    "rm": ("edgellm.commands.rm", "delete a cached model"),
 }
 
 

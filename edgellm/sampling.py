@@ -5,28 +5,38 @@ A seed makes draws reproducible; temperature 0 is greedy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from edgellm.errors import InvalidArgumentError
+
+# The one home of the sampling defaults (llama.cpp's): the API (`Model.generate` / `chat`), the
+# command line (`run`, `chat`) and the chat UI all read these.
+TEMPERATURE = 0.8
+TOP_K = 40
+TOP_P = 0.95
+MIN_P = 0.05
+REPEAT_PENALTY = 1.0  # 1 = off
+REPEAT_LAST_N = 64
+MAX_TOKENS = 256  # a completion (API, `edgellm run -n`)
+CHAT_MAX_TOKENS = 1024  # the longest answer of a chat turn (`edgellm chat`, the UI's settings)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = TEMPERATURE
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    min_p: float = MIN_P
+    repeat_penalty: float = REPEAT_PENALTY
+    repeat_last_n: int = REPEAT_LAST_N
     seed: int | None = None
 
     def __post_init__(self):
         def bad(what):
             raise InvalidArgumentError(what)
 
-        if not np.isfinite(self.temperature) or self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
@@ -34,7 +44,7 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not np.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
+        if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
             bad(f"repeat_penalty must be > 0 (1 = off), got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
             bad(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
@@ -44,10 +54,14 @@ class SamplingParams:
 
 class Sampler:
     def __init__(self, params: SamplingParams):
+        import numpy as np  # here, so that the command line reads the defaults without NumPy
+
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] = ()) -> int:
+    def __call__(self, logits, history: list[int] = ()) -> int:
+        import numpy as np
+
         p = self.params
         logits = np.asarray(logits, dtype=np.float32)
         if p.repeat_penalty != 1.0 and len(history) and p.repeat_last_n:
@@ -60,7 +74,9 @@ class Sampler:
             return int(np.argmax(logits))
         return self._draw(logits)
 
-    def _draw(self, logits: np.ndarray) -> int:
+    def _draw(self, logits) -> int:
+        import numpy as np
+
         p = self.params
         n = len(logits)
         k = n if p.top_k == 0 else min(p.top_k, n)

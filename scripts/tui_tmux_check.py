@@ -10,7 +10,9 @@ Steps: start the app in a shell in tmux, wait for the chat, send a prompt, check
 streams (the chat column changes between captures) and that the panel shows memory, layers and
 timing figures; Esc stops the answer ("Stopped.", no more text); ctrl+n clears; resizes to 120x40 and
 back to 80x24; ctrl+q quits with exit code 0, no traceback, alternate screen / mouse tracking off
-and the cursor visible. Exit code 0 when every check passed. Needs tmux (apt-get install tmux).
+and the cursor visible; then the app is started again with --resume and the stopped exchange must be
+on screen again (the chats are kept in a fresh XDG_DATA_HOME). Exit code 0 when every check passed.
+Needs tmux (apt-get install tmux).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,14 +78,29 @@ def check(condition: bool, message: str, screen: str = "") -> None:
     print(f"  ok  {message}")
 
 
-def app_command(args: argparse.Namespace) -> str:
+def app_command(args: argparse.Namespace, resume: bool = False) -> str:
     if args.fake:
         fake = Path(__file__).resolve().parent.parent / "tests" / "fake_engine.py"
-        return shlex.join([sys.executable, str(fake), "--delay", "0.05", "--repeat", "30"])
+        return shlex.join([sys.executable, str(fake), "--delay", "0.05", "--repeat", "30"]
+                          + (["--resume"] if resume else []))
     edgellm = shutil.which("edgellm")
     base = [edgellm] if edgellm else [sys.executable, "-m", "edgellm.cli"]
     model = [args.model] if args.model else []
-    return shlex.join(base + [args.command, *model, *args.extra])
+    # `run` without -p opens the chat but has no --resume: the resumed session is `chat`
+    command = "chat" if resume else args.command
+    return shlex.join(base + [command, *model, *args.extra] + (["--resume"] if resume else []))
+
+
+def answer_tail(column: str) -> str:
+    """A fragment of the last answer line above "Stopped." in the chat column (border and padding
+    stripped), to find on screen again after --resume."""
+    lines = column.splitlines()
+    end = next(i for i, line in enumerate(lines) if "Stopped." in line)
+    for line in reversed(lines[:end]):
+        text = line.strip(" ▌▎▍│┃").strip()
+        if len(text) >= 8:
+            return text[:24]
+    raise CheckFailed(f"no answer text above 'Stopped.':\n{column}")
 
 
 def run_checks(pane: Pane, load_timeout: float) -> None:
@@ -107,6 +125,7 @@ def run_checks(pane: Pane, load_timeout: float) -> None:
     before = pane.chat_column()
     time.sleep(1.5)
     check(pane.chat_column() == before, "Esc stopped the answer (no more text after 1.5 s)")
+    tail = answer_tail(pane.chat_column())
 
     pane.keys("C-n")
     pane.wait_for(lambda s: "Stopped." not in s and "– tok/s" in s, 10, "an empty chat after ctrl+n")
@@ -129,6 +148,18 @@ def run_checks(pane: Pane, load_timeout: float) -> None:
                                     "mouse_standard_flag", "mouse_sgr_flag")]
     check(set(mouse) == {"0"}, "mouse tracking is off")
     check(pane.flag("cursor_flag") == "1", "the cursor is visible")
+    return tail
+
+
+def check_resume(pane: Pane, command: str, tail: str, load_timeout: float) -> None:
+    pane.type(f"clear; {command}; echo {EXIT_MARKER}$?")
+    pane.keys("Enter")
+    screen = pane.wait_for(lambda s: "Ask something" in s and tail in s, load_timeout,
+                           f"the kept exchange after --resume (answer text {tail!r})")
+    check(True, f"--resume shows the previous exchange again ({tail!r})")
+    pane.keys("C-q")
+    screen = pane.wait_for(lambda s: re.search(EXIT_MARKER + r"\d", s), 30, "the resumed app to exit")
+    check(re.search(EXIT_MARKER + "0", screen) is not None, "the resumed app quits with exit code 0", screen)
 
 
 def main() -> int:
@@ -146,7 +177,9 @@ def main() -> int:
         return 2
 
     session = f"edgellm-tui-check-{os.getpid()}"
-    command = app_command(args)
+    data_home = tempfile.mkdtemp(prefix="edgellm-tui-check-data-")  # the kept chats of this check
+    env = f"XDG_DATA_HOME={shlex.quote(data_home)} "
+    command = env + app_command(args)
     print(f"tmux {WIDTH}x{HEIGHT}: {command}")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT),
                     "sh"], check=True)
@@ -154,13 +187,15 @@ def main() -> int:
     try:
         pane.type(f"{command}; echo {EXIT_MARKER}$?")
         pane.keys("Enter")
-        run_checks(pane, args.load_timeout)
+        tail = run_checks(pane, args.load_timeout)
+        check_resume(pane, env + app_command(args, resume=True), tail, args.load_timeout)
     except CheckFailed as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
         if not args.keep:
             subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+            shutil.rmtree(data_home, ignore_errors=True)
     print("all checks passed")
     return 0
 

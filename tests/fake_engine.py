@@ -161,6 +161,7 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--load-s", type=float, default=1.0, help="seconds the fake loader takes")
     parser.add_argument("--repeat", type=int, default=1, help="repeat the canned reply N times")
+    parser.add_argument("--resume", action="store_true", help="reopen the last kept chat")
     args = parser.parse_args()
 
     def load() -> FakeModel:
@@ -168,7 +169,7 @@ def main() -> int:
         reply = "\n\n".join([DEFAULT_REPLY] * args.repeat)
         return FakeModel(reply, delay_s=args.delay, n_ctx=args.ctx, gpu_layers=args.gpu_layers)
 
-    return run_chat(load)
+    return run_chat(load, resume=args.resume)
 
 
 if __name__ == "__main__":

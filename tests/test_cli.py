@@ -65,7 +65,7 @@ def test_info_real_files(smollm2_path, gemma3_path):
 
 @pytest.mark.real
 def test_run_streams_and_summarises(smollm2_path):
-    r = edgellm("run", str(smollm2_path), "-p", "The capital of France is", "-n", "6", "--temp", "0", "-c", "256")
+    r = edgellm("run", str(smollm2_path), "--raw", "-p", "The capital of France is", "-n", "6", "--temp", "0", "-c", "256")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(" Paris")
     assert "tok/s" in r.stderr and "ttft" in r.stderr

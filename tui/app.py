@@ -1,11 +1,14 @@
 """The edgellm chat app and its entry point `run_chat`.
 
-    run_chat(model_or_loader, settings=None, **settings_fields) -> int
+    run_chat(model_or_loader, settings=None, *, history=True, resume=False, **settings_fields) -> int
 
 `model_or_loader` is a loaded `edgellm.Model`, or a callable returning one (e.g.
 `lambda: edgellm.load(path, gpu_layers=...)`): the app then opens at once on a loading screen and
 calls the loader in a worker, so a slow load never leaves the terminal blank. The app talks to the
 model only through the public API (`chat`, `stats`, `plan`, `n_ctx`, `metadata`).
+
+history: True keeps every chat in the default store (store.default_path()), a path keeps them
+there, False / None keeps nothing; resume opens the last kept chat.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from edgellm.tui.messages import ModelLoaded, ModelLoadFailed
 from edgellm.tui.screens.chat import ChatScreen
 from edgellm.tui.screens.loading import LoadingScreen
 from edgellm.tui.session import ChatSettings
+from edgellm.tui.store import ChatStore, ChatStoreError
 
 
 class ChatApp(App):
@@ -27,8 +31,11 @@ class ChatApp(App):
     TITLE = "edgellm"
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]     # Textual's default, shown
 
-    def __init__(self, model_or_loader: Any | Callable[[], Any], settings: ChatSettings | None = None) -> None:
+    def __init__(self, model_or_loader: Any | Callable[[], Any], settings: ChatSettings | None = None, *,
+                 history=None, resume: bool = False) -> None:
         super().__init__()
+        self.history = history
+        self.resume = resume
         if hasattr(model_or_loader, "chat"):
             self.model, self._loader = model_or_loader, None
         elif callable(model_or_loader):
@@ -65,23 +72,33 @@ class ChatApp(App):
         self.load_error = message.error
         self.exit(return_code=1)
 
+    def open_store(self) -> tuple[ChatStore | None, str | None]:
+        """(the chat store, None) or (None, why history is off)."""
+        if not self.history:
+            return None, None
+        try:
+            return ChatStore.open(None if self.history is True else self.history), None
+        except ChatStoreError as exc:
+            return None, str(exc)
+
     def open_chat(self) -> None:
-        screen = ChatScreen(self.model, self.settings)
+        store, error = self.open_store()
+        screen = ChatScreen(self.model, self.settings, store, error, self.resume)
         if isinstance(self.screen, LoadingScreen):
             self.switch_screen(screen)
         else:
             self.push_screen(screen)
 
 
-def run_chat(model_or_loader: Any | Callable[[], Any], settings: ChatSettings | None = None,
-             **settings_fields) -> int:
+def run_chat(model_or_loader: Any | Callable[[], Any], settings: ChatSettings | None = None, *,
+             history=True, resume: bool = False, **settings_fields) -> int:
     """Run the chat until the user quits; returns the exit code. A loader's error is re-raised here,
     after the terminal is restored, so the command line reports it like any other error.
 
     settings_fields: ChatSettings fields (system_prompt, temperature, top_p, max_tokens, top_k,
     min_p, repeat_penalty, seed) when no `settings` is given.
     """
-    app = ChatApp(model_or_loader, settings or ChatSettings(**settings_fields))
+    app = ChatApp(model_or_loader, settings or ChatSettings(**settings_fields), history=history, resume=resume)
     app.run()
     if app.load_error is not None:
         raise app.load_error

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from edgellm.errors import InvalidArgumentError
+from edgellm import sampling
 from edgellm.sampling import SamplingParams
 
 
@@ -17,12 +18,12 @@ class ChatSettings:
     sampling flags the command line passes through unchanged."""
 
     system_prompt: str = ""
-    temperature: float = 0.8
-    top_p: float = 0.95
-    max_tokens: int = 512
-    top_k: int = 40
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temperature: float = sampling.TEMPERATURE
+    top_p: float = sampling.TOP_P
+    max_tokens: int = sampling.CHAT_MAX_TOKENS
+    top_k: int = sampling.TOP_K
+    min_p: float = sampling.MIN_P
+    repeat_penalty: float = sampling.REPEAT_PENALTY
     seed: int | None = None
 
     def __post_init__(self) -> None:

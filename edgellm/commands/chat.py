@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from edgellm import sampling
 from edgellm.errors import InvalidArgumentError
 
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = sampling.CHAT_MAX_TOKENS
 
 
 def gpu_layers_arg(value: str) -> int | str:
@@ -34,11 +35,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temp", type=float, default=0.8, metavar="T", help="temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, default=40, metavar="K")
-    parser.add_argument("--top-p", type=float, default=0.95, metavar="P")
-    parser.add_argument("--min-p", type=float, default=0.05, metavar="P")
-    parser.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R")
+    parser.add_argument("--temp", type=float, default=sampling.TEMPERATURE, metavar="T",
+                        help=f"temperature (0: greedy; default {sampling.TEMPERATURE})")
+    parser.add_argument("--top-k", type=int, default=sampling.TOP_K, metavar="K")
+    parser.add_argument("--top-p", type=float, default=sampling.TOP_P, metavar="P")
+    parser.add_argument("--min-p", type=float, default=sampling.MIN_P, metavar="P")
+    parser.add_argument("--repeat-penalty", type=float, default=sampling.REPEAT_PENALTY, metavar="R")
     parser.add_argument("--seed", type=int, default=None, metavar="S")
 
 
@@ -48,11 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"longest answer in tokens (default {DEFAULT_MAX_TOKENS}; editable in the app)")
     parser.add_argument("--system", default="", metavar="TEXT", help="system prompt (editable in the app)")
+    parser.add_argument("--resume", action="store_true", help="reopen the last kept chat")
+    parser.add_argument("--no-history", action="store_true",
+                        help="keep no chats (by default every chat is kept in the user data dir)")
 
 
 def run(args: argparse.Namespace) -> int:
     import edgellm
-    from edgellm.fetch import resolve_model
+    from edgellm.precompile import fetch_and_prepare
     from edgellm.tui.app import run_chat
     from edgellm.tui.session import ChatSettings
 
@@ -71,9 +76,10 @@ def run(args: argparse.Namespace) -> int:
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    # A first-use download prints its progress here, on the plain terminal, before the UI starts;
-    # loading the file (seconds) then happens behind the app's loading screen.
-    path = resolve_model(args.model, quiet=False)
+    # A first-use download and the first run's kernel compile print their progress here, on the
+    # plain terminal, before the UI starts; loading the file (seconds) then happens behind the app's
+    # loading screen.
+    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:
@@ -82,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     def load():
         return edgellm.load(path, **load_options)
 
-    return run_chat(load, settings)
+    return run_chat(load, settings, history=not getattr(args, "no_history", False),
+                    resume=getattr(args, "resume", False))
 
 
 def _max_tokens(args: argparse.Namespace) -> int:

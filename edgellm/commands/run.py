@@ -1,25 +1,36 @@
-"""`edgellm run [MODEL] -p PROMPT`: stream a completion to stdout, a timing summary to stderr.
-Without -p on a terminal it opens the chat UI; without -p with a pipe on stdin it reads the prompt."""
+"""`edgellm run [MODEL] -p PROMPT`: stream the answer to stdout, a timing summary to stderr.
+Without -p on a terminal it opens the chat UI; without -p with a pipe on stdin it reads the prompt.
+
+The prompt is the user's message of a chat, rendered with the file's chat template, when the file
+has one (an instruct model); a file without a template (a base model) completes the text as is.
+`--raw` forces plain completion, `--chat` forces a chat (ChatML when the file has no template)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from edgellm.commands.chat import add_model_arguments, add_sampling_arguments
+from edgellm.sampling import MAX_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("-p", "--prompt", default=None, metavar="PROMPT", help="prompt to complete")
-    p.add_argument("-n", "--n-predict", type=int, default=256, metavar="N", help="tokens to generate (default 256)")
+    p.add_argument("-n", "--n-predict", type=int, default=MAX_TOKENS, metavar="N",
+                   help=f"tokens to generate (default {MAX_TOKENS}; -1: until the context is full)")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size (default 512)")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type (default f16)")
     p.add_argument("--vram", default=None, metavar="SIZE", help="GPU memory budget for --gpu-layers auto (e.g. 4GiB)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (with --chat)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true",
+                      help="always wrap the prompt in a chat template (ChatML if the file has none)")
+    form.add_argument("--raw", "--no-chat", dest="raw", action="store_true",
+                      help="plain completion of the prompt, even when the file has a chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt of the chat")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print the plan and memory (estimate vs measured)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say how the prompt was fed (chat template or completion); print the plan and memory")
     add_sampling_arguments(p)
 
 
@@ -35,14 +46,17 @@ def run(args) -> int:
 
     if args.n_predict < -1:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
-    model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
+    from edgellm.precompile import fetch_and_prepare
+
+    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
+    model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False)
     if args.verbose:
         print_plan(model, sys.stderr)
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": prompt})
-        prompt = model.render_chat(messages)
+    prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)
+    if args.verbose:
+        n = len(model.tokenize(prompt, add_special=True, parse_special=True))
+        print(f"edgellm: prompt: {form} ({n} tokens)", file=sys.stderr)
     max_tokens = args.n_predict if args.n_predict >= 0 else model.n_ctx
     out = sys.stdout
     for chunk in model.generate(prompt, max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k,
@@ -54,6 +68,24 @@ def run(args) -> int:
     out.flush()
     print(summary(model.stats), file=sys.stderr)
     return 0
+
+
+def prompt_text(model, prompt: str, *, chat: bool, raw: bool, system: str | None) -> tuple[str, str]:
+    """(the text to feed, how it was made). A chat when the file has a template (or --chat), the
+    prompt as the user's message and --system as the system prompt; otherwise the prompt as is."""
+    has_template = bool(model.metadata.get("tokenizer.chat_template"))
+    if raw or not (chat or has_template):
+        if system:
+            from edgellm.errors import InvalidArgumentError
+
+            raise InvalidArgumentError("--system needs a chat; drop --raw, or pass --chat for a model "
+                                       "without a chat template")
+        why = "--raw" if raw else "the file has no chat template"
+        return prompt, f"plain completion ({why})"
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt.rstrip("\n")})
+    form = "the file's chat template" if has_template else "ChatML (--chat; the file has no template)"
+    return model.render_chat(messages), f"chat, {form}"
 
 
 def summary(s) -> str:

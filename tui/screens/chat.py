@@ -1,5 +1,9 @@
 """The chat: conversation column (log + prompt) on the left, the stats panel on the right.
 
+Every conversation is kept in the chat store (see store.py) when the app has one: the chat is
+created with its first question and saved after each question and each answer; ctrl+o lists the
+kept chats. A store that fails turns history off with a notice; the chat goes on.
+
 Generation runs in a thread worker that iterates `Model.chat`, posts each chunk with a copy of
 `Model.stats`, and checks for cancellation between chunks. Esc cancels it and keeps the partial
 answer; the worker then closes the generator, which is how the model learns to stop.
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+from dataclasses import asdict, fields
 
 from textual import work
 from textual.app import ComposeResult
@@ -20,8 +25,10 @@ from textual.worker import Worker, get_current_worker
 
 from edgellm.errors import ContextFullError, EdgeLLMError
 from edgellm.tui.messages import GenerationFinished, TokenStreamed
+from edgellm.tui.screens.chats import ChatListScreen
 from edgellm.tui.screens.settings import SettingsScreen
 from edgellm.tui.session import ChatSession, ChatSettings
+from edgellm.tui.store import ChatStore, ChatStoreError, title_of
 from edgellm.tui.widgets.chat import AssistantMessage, ChatLog, Notice, UserMessage
 from edgellm.tui.widgets.stats_panel import StatsPanel
 
@@ -32,10 +39,12 @@ class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+o", "chats", "Chats"),
         Binding("f2", "settings", "Settings"),
     ]
 
-    def __init__(self, model, settings: ChatSettings) -> None:
+    def __init__(self, model, settings: ChatSettings, store: ChatStore | None = None,
+                 store_error: str | None = None, resume: bool = False) -> None:
         super().__init__()
         # The screen's own sub-title: changing the app's would also poke the Header of the loading
         # screen being removed, whose title widget may already be gone.
@@ -43,6 +52,10 @@ class ChatScreen(Screen):
         self.model = model
         self.settings = settings
         self.session = ChatSession()
+        self.store = store              # None: history off
+        self.store_error = store_error  # why it is off, shown once the screen is up
+        self.resume = resume            # open the last kept chat on mount
+        self.chat_id: int | None = None  # the kept chat shown (None until its first question)
         self.generation_id = 0          # id of the request whose messages are shown
         self.generating = False         # chunks of the current request are still accepted
         self.busy = False               # from a question until its answer is rendered and noted
@@ -64,12 +77,22 @@ class ChatScreen(Screen):
             yield StatsPanel(id="stats-panel")
         yield Footer()
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         panel = self.query_one(StatsPanel)
         panel.set_model(self.model)
         panel.show_stats(self.latest_stats)
         self.set_interval(PANEL_REFRESH_S, self.refresh_panel)
         self.query_one("#prompt", Input).focus()
+        if self.store_error:
+            await self.query_one(ChatLog).add(Notice(self.store_error, "error"))
+        if self.resume and self.store is not None:
+            try:
+                last = self.store.last()
+            except ChatStoreError as exc:
+                await self.history_off(exc)
+                return
+            if last is not None:
+                await self.open_kept_chat(last)
 
     def refresh_panel(self) -> None:
         if self.is_attached:
@@ -86,6 +109,7 @@ class ChatScreen(Screen):
         event.input.clear()
         self.busy = True
         self.session.add_user(text)
+        await self.keep()
         log = self.query_one(ChatLog)
         await log.add(UserMessage(text))
         self.answer = AssistantMessage()
@@ -176,7 +200,70 @@ class ChatScreen(Screen):
             await answer.remove()
         if notice is not None:
             await log.add(notice)
+        await self.keep()
         self.refresh_panel()
+
+    # --- kept chats -----------------------------------------------------------------------------
+    async def keep(self) -> None:
+        """Save the conversation as it is now (creating the kept chat with its first question)."""
+        if self.store is None or not self.session.turns:
+            return
+        try:
+            if self.chat_id is None:
+                self.chat_id = self.store.create(title_of(self.session.turns[0]["content"]), self.sub_title,
+                                                 asdict(self.settings))
+            self.store.save(self.chat_id, self.session.turns, asdict(self.settings))
+        except ChatStoreError as exc:
+            await self.history_off(exc)
+
+    async def history_off(self, exc: ChatStoreError) -> None:
+        self.store = None
+        self.notify(str(exc), severity="warning", timeout=10)
+        await self.query_one(ChatLog).add(Notice(str(exc), "error"))
+
+    async def open_kept_chat(self, chat_id: int) -> None:
+        """Show a kept chat: its messages and its settings; the next question continues it."""
+        try:
+            chat = self.store.load(chat_id)
+        except ChatStoreError as exc:
+            self.notify(str(exc), severity="warning")
+            return
+        await self.action_new_chat()
+        names = {f.name for f in fields(ChatSettings)}
+        try:
+            self.settings = ChatSettings(**{k: v for k, v in chat.settings.items() if k in names})
+        except EdgeLLMError:
+            pass  # settings from another version that no longer validate: keep the current ones
+        self.chat_id = chat.id
+        self.session.turns = [dict(t) for t in chat.turns]
+        log = self.query_one(ChatLog)
+        async with self._log_lock:
+            for turn in chat.turns:
+                if turn["role"] == "user":
+                    await log.add(UserMessage(turn["content"]))
+                else:
+                    answer = AssistantMessage()
+                    await log.add(answer)
+                    answer.feed(turn["content"])
+                    await answer.finish()
+
+    def action_chats(self) -> None:
+        if self.store is None:
+            self.notify("Chat history is off.", severity="warning")
+            return
+        screen = ChatListScreen(self.store, self.chat_id)
+
+        async def chosen(result: tuple | None) -> None:
+            if self.chat_id in screen.deleted:
+                await self.action_new_chat()
+            if result is None:
+                return
+            if result[0] == "open":
+                await self.open_kept_chat(result[1])
+            else:
+                await self.action_new_chat()
+
+        self.app.push_screen(screen, chosen)
 
     # --- key actions ----------------------------------------------------------------------------
     async def action_stop(self) -> None:
@@ -192,6 +279,7 @@ class ChatScreen(Screen):
         self.generation_id += 1         # whatever the old worker still posts is now stale
         async with self._log_lock:
             self.answer = None
+            self.chat_id = None
             self.session.clear()
             await self.query_one(ChatLog).clear()
             self.query_one(StatsPanel).clear_history()

@@ -1,0 +1,155 @@
+"""The first run's compile step: one progress line, and kernels compiled by worker processes that
+the load then finds in the disk cache."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from edgellm.precompile import CompileProgress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_one_line_on_a_pipe():
+    out = io.StringIO()
+    p = CompileProgress(out)
+    p.steps(0, 7)
+    for name in ("matvec_q4_1", "decode_block", "rope"):
+        p(name)
+        p.steps(1, 7)
+    p.done()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(r"compiling kernels \(first run only\) \[-{24}\] 0/7 steps, 1 kernel, \d+ s", lines[0])
+    assert re.fullmatch(r"compiled 3 kernels in \d+ s \(cached for the next runs\)", lines[1])
+
+
+def test_progress_redraws_a_bar_on_a_terminal():
+    out = Terminal()
+    p = CompileProgress(out)
+    p.steps(0, 4)
+    p("a")
+    p.steps(3, 4)
+    p("b")
+    frames = out.getvalue().split("\r\033[K")
+    assert "\n" not in "".join(frames)  # one line, redrawn
+    assert frames[-1].startswith("compiling kernels (first run only) [" + "#" * 18 + "-" * 6 + "] 3/4 steps, 2 kernels,")
+    p.done()
+    assert out.getvalue().endswith("\r\033[K" + out.getvalue().rsplit("\r\033[K", 1)[1]) \
+        and out.getvalue().rsplit("\r\033[K", 1)[1].startswith("compiled 2 kernels in ")
+
+
+def test_nothing_compiled_prints_nothing():
+    out = io.StringIO()
+    p = CompileProgress(out)
+    p.steps(0, 3)
+    p.steps(3, 3)
+    p.done()
+    assert out.getvalue() == ""
+
+
+@pytest.mark.real
+def test_groups_split_decode_from_prompt(smollm2_path, gemma3_path):
+    from edgellm.precompile import _open, step_groups
+
+    cfg, _, model = _open(str(smollm2_path), 1)
+    groups = step_groups(model, cfg)
+    # SmolLM2: every layer has the same types, so one decode group (first and last layer), and
+    # the prompt group (first layer, last layer, last layer's last-token-only, head x2)
+    assert sorted(len(g) for g in groups) == [2, 5]
+    assert all(s[2] == 1 for s in min(groups, key=len))
+    cfg, _, model = _open(str(gemma3_path), 1)
+    steps = [s for g in step_groups(model, cfg) for s in g]
+    assert len(steps) == len(set(steps)) and ("head", 1) in steps and any(s[:1] == ("block",) and s[2] == 1 for s in steps)
+
+
+@pytest.mark.real
+def test_cold_run_compiles_in_workers_and_the_load_finds_them(smollm2_path, tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("EDGELLM_NO_PRECOMPILE", None)
+    cmd = [sys.executable, "-m", "edgellm.cli", "run", str(smollm2_path), "-p", "Hi", "-n", "1", "-c", "128", "-v"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    workers = re.search(r"compile workers' CPU seconds: (.*)", r.stderr).group(1).split(", ")
+    assert len(workers) == min(2, len(os.sched_getaffinity(0)))
+    # one progress line and one summary: the load after the workers compiled nothing itself
+    assert len(re.findall(r"^compiling kernels", r.stderr, re.M)) == 1, r.stderr
+    assert len(re.findall(r"^compiled \d+ kernels in", r.stderr, re.M)) == 1, r.stderr
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "compil" not in again.stderr, again.stderr
+
+
+def test_prepare_never_fails(tmp_path, monkeypatch):
+    """A file the workers cannot read is left to the load, which reports it with its own message."""
+    from edgellm.precompile import prepare
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    prepare(bad)  # no exception, no worker started (the file does not open)
+    assert not (tmp_path / "numba" / "edgellm-models").exists()
+
+
+DOWNLOAD_SCRIPT = r"""
+import os, shutil, sys, time
+from pathlib import Path
+import edgellm.fetch as fetch
+from edgellm.precompile import fetch_and_prepare
+
+real, numba_dir = Path(sys.argv[1]), Path(os.environ["NUMBA_CACHE_DIR"])
+
+def slow_download(m, target, *, quiet):
+    # a download that lasts until the stand-in's decode kernel is in the disk cache (at most 20 min)
+    deadline = time.monotonic() + 1200
+    while not any("decode_block" in p.name and p.suffix == ".nbi" for p in numba_dir.rglob("*")):
+        assert time.monotonic() < deadline, "the stand-in compiled nothing during the download"
+        time.sleep(0.5)
+    print("decode kernel compiled during the download", file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(real, target)
+
+fetch._fetch = slow_download
+print(fetch_and_prepare("smollm2-135m", verbose=True))
+"""
+
+
+@pytest.mark.real
+def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), EDGELLM_CACHE=str(tmp_path / "cache"))
+    env.pop("EDGELLM_NO_PRECOMPILE", None)
+    r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(smollm2_path)], env=env, capture_output=True,
+                       text=True, timeout=2400)
+    assert r.returncode == 0, r.stderr
+    assert "decode kernel compiled during the download" in r.stderr
+    assert r.stdout.strip() == str(tmp_path / "cache" / "models" / smollm2_path.name)
+    # after the download only what the stand-in did not cover is compiled (a cold cache: ~30)
+    compiled = int(re.search(r"compiled (\d+) kernels in", r.stderr).group(1))
+    assert 0 < compiled <= 8, r.stderr
+
+
+def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
+    """The stand-in compiled during a download is a valid file of the model's architecture, whose
+    warm-up has a decode and a prompt part (what the workers split)."""
+    from gguf import GGMLQuantizationType
+
+    from edgellm.fetch import KNOWN_MODELS
+    from edgellm.precompile import _open, step_groups
+    from edgellm.synthetic import write_synthetic_gguf
+
+    for name, known in KNOWN_MODELS.items():
+        arch, type_name = known.stand_in
+        path = write_synthetic_gguf(tmp_path / f"{name}.gguf", arch=arch, n_layer=2, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLQuantizationType[type_name])
+        cfg, _, model = _open(str(path), 1)
+        assert cfg.arch == arch
+        groups = step_groups(model, cfg)
+        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 9}
+        assert model.blocks[0].attn_q.ggml_type == GGMLQuantizationType[type_name]
