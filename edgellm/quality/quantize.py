@@ -125,8 +125,10 @@ def _copy_metadata(w: GGUFWriter, gf, file_type: int) -> None:
         vtype = GGUFValueType(gf.metadata_types[key])
         if vtype != GGUFValueType.ARRAY:
             w.add_key_value(key, value, vtype)
+        elif len(value) == 0:  # the gguf writer cannot write an empty array
+            continue
         elif isinstance(value, np.ndarray):
-            w.add_key_value(key, value, vtype, sub_type=_NP_VALUE_TYPES[value.dtype.newbyteorder("=")])
+            w.add_key_value(key, value.tolist(), vtype, sub_type=_NP_VALUE_TYPES[value.dtype.newbyteorder("=")])
         elif isinstance(value, list):  # arrays of arrays: rare; gguf infers the inner types
             w.add_key_value(key, value, vtype)
         else:  # StringArray
