@@ -14,6 +14,9 @@ COMMANDS = {
     "plan": ("edgellm.commands.plan", "plan CPU/GPU layer placement from the memory ledger"),
     "bench": ("edgellm.commands.bench", "measure prompt (pp) and decode (tg) speed"),
     "pull": ("edgellm.commands.pull", "fetch a known model into the cache"),
+    "quantize": ("edgellm.commands.quantize", "quantize a GGUF file (llama-quantize's types and recipes)"),
+    "perplexity": ("edgellm.commands.perplexity", "perplexity (and KL vs a base model) over a text"),
+    "quality": ("edgellm.commands.quality", "quantize to several types: size, quality and speed side by side"),
 }
 
 
