@@ -38,10 +38,8 @@ def f16_bytes(v: np.ndarray) -> np.ndarray:
 
 def seq_sum(terms: np.ndarray) -> np.ndarray:
     """Sum (m, n) float32 over n left to right, as a C loop `s += t[i]` from s = 0 does."""
-    s = np.zeros(terms.shape[0], dtype=F32)
-    for i in range(terms.shape[1]):
-        s = s + terms[:, i]
-    return s
+    # accumulate is sequential; "+ 0" makes an all -0.0 sum +0.0, as C's sum from s = 0 gives
+    return np.cumsum(terms, axis=1, dtype=F32)[:, -1] + F32(0)
 
 
 def first_abs_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
