@@ -39,8 +39,17 @@ def test_quantizer_bytes_equal_ggml_reference(tname):
     """Every block of every input case gives ggml's quantize_row_*_ref bytes (recorded hashes)."""
     for case, x in quant_cases.block_inputs().items():
         got = encode(T[tname], x.reshape(-1, 256))
+        assert np.array_equal(got, encode(T[tname], x.reshape(-1, 256), reference=True))
         assert got.shape == (x.shape[0], QUANT_TYPES[T[tname]].type_size * 256 // QUANT_TYPES[T[tname]].block_size)
         assert sha(got.tobytes()) == FIXTURES["blocks"][tname][case], f"{tname} on {case}"
+
+
+@pytest.mark.parametrize("tname", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_numba_kernels_equal_numpy_reference(tname):
+    rng = np.random.default_rng(7)
+    x = np.concatenate([*quant_cases.block_inputs(16).values(),
+                        (rng.standard_normal((32, 256)) * 10.0 ** rng.uniform(-6, 2, (32, 1))).astype(np.float32)])
+    assert np.array_equal(encode(T[tname], x), encode(T[tname], x, reference=True))
 
 
 def test_legacy_types_are_gguf_quants():

@@ -21,7 +21,7 @@ from gguf import GGUFValueType, GGUFWriter
 
 from edgellm.errors import EdgeLLMError, InvalidArgumentError, ModelNotFoundError
 from edgellm.quality import recipe
-from edgellm.quality.kquant import K_QUANTIZERS, QK_K
+from edgellm.quality.kquant import QK_K
 from edgellm.quants import QUANT_TYPES
 
 SLAB_ELEMENTS = 1 << 20  # weights converted per step (4 MiB of float32)
@@ -74,9 +74,15 @@ def to_float32(t: T, raw: np.ndarray, n_cols: int) -> np.ndarray:
     return QUANT_TYPES[t].dequantize_reference(np.ascontiguousarray(raw)).reshape(-1, n_cols)
 
 
-def encode(t: T, x: np.ndarray) -> np.ndarray:
-    """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) in type t, ggml's reference bytes."""
+def encode(t: T, x: np.ndarray, reference: bool = False) -> np.ndarray:
+    """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) in type t, ggml's reference bytes.
+    K-quants run the Numba kernels, or with `reference` their NumPy twins (same bytes, ~10x slower)."""
     from gguf import quants
+
+    if reference:
+        from edgellm.quality.kquant import K_QUANTIZERS
+    else:
+        from edgellm.quality.kquant_numba import K_QUANTIZERS
 
     n_rows, n_cols = x.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
