@@ -83,3 +83,24 @@ def test_smollm2_matches_llama_perplexity(smollm2_path):
     assert r.n_chunks == 2 and r.n_scored == 2 * 63
     assert float(f"{r.ppl:.4g}") == float(f"{want['ppl']:.4g}")
     assert r.ppl_err == pytest.approx(want["ppl_err"], rel=1e-3)
+
+
+@pytest.mark.real
+def test_smollm2_kl_matches_llama_perplexity(smollm2_path, tmp_path):
+    """SmolLM2 Q4_1 against its F16 requantization (-c 128, 2 chunks): llama-perplexity's
+    --kl-divergence numbers (mean/median/p99/max KL, same top p, PPL ratio) to its printed digits."""
+    import edgellm
+
+    want = json.loads((Path(__file__).parent / "data" / "perplexity_llamacpp.json").read_text())
+    want = want["smollm2_q4_1_vs_f16_c128_2"]
+    f16 = edgellm.quantize(smollm2_path, tmp_path / "f16.gguf", "F16", allow_requantize=True).path
+    m = edgellm.load(smollm2_path, n_ctx=128)
+    base = edgellm.load(f16, n_ctx=128)
+    r = px.perplexity(m, n_ctx=128, n_chunks=2, base=base)
+    k = r.kl
+    assert round(r.ppl, 6) == pytest.approx(want["ppl"], abs=2e-6)
+    assert round(k.ppl_base, 6) == pytest.approx(want["ppl_base"], abs=2e-6)
+    assert round(k.ppl_ratio, 6) == pytest.approx(want["ppl_ratio"], abs=2e-6)
+    for key, got in (("kl_mean", k.mean), ("kl_median", k.median), ("kl_p99", k.p99), ("kl_max", k.max)):
+        assert round(got, 6) == pytest.approx(want[key], abs=2e-6), key
+    assert round(k.same_top, 5) == pytest.approx(want["same_top"], abs=2e-5)
