@@ -109,6 +109,19 @@ def _convert(info, new: T, out: np.ndarray, pool) -> None:
     list(pool.map(one, range(0, n_rows, step)))
 
 
+def _drop_pages(gf, info) -> None:
+    """Hand the source tensor's pages back (clean file pages; llama.cpp unmaps each weight after
+    use too), so resident memory stays about one tensor, not the whole input."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(gf.file_size, (info.offset + info.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE)
+    if end > start:
+        gf._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 # ============================================================================ metadata
 _NP_VALUE_TYPES = {
     np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
@@ -234,6 +247,8 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "Q4_K_M
                     _convert(info, new, out, pool)
                 w.write_tensor_data(out)
                 r = TensorResult(n, info.ne, info.qtype.name, new.name, info.nbytes, out.nbytes)
+                del out
+                _drop_pages(gf, info)
                 results.append(r)
                 if progress is not None:
                     progress(i + 1, len(names), r)
