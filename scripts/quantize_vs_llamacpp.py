@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import hashlib
 import json
-import os
 import sys
 import tempfile
 import time

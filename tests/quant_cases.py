@@ -9,6 +9,8 @@ with zero blocks and zero sub-blocks.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
@@ -23,9 +25,7 @@ FILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", 
 BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
-def write_model(name: str, folder) -> "Path":
-    from pathlib import Path
-
+def write_model(name: str, folder) -> Path:
     from edgellm.synthetic import write_synthetic_gguf
 
     return write_synthetic_gguf(Path(folder) / f"{name}.gguf", **MODELS[name])
