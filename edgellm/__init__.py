@@ -5,7 +5,7 @@
 from edgellm.errors import EdgeLLMError
 
 __version__ = "0.1.0"
-__all__ = ["load", "EdgeLLMError", "Model", "Chunk", "__version__"]
+__all__ = ["load", "quantize", "EdgeLLMError", "Model", "Chunk", "__version__"]
 
 
 def load(path=None, **kwargs):
@@ -13,6 +13,14 @@ def load(path=None, **kwargs):
     from edgellm.api import load as _load
 
     return _load(path, **kwargs)
+
+
+def quantize(src, dst, type="Q4_K_M", **options):
+    """Quantize GGUF file src into dst with llama-quantize's types and recipes. See
+    `edgellm.quality.quantize.quantize`."""
+    from edgellm.quality.quantize import quantize as _quantize
+
+    return _quantize(src, dst, type, **options)
 
 
 def __getattr__(name):

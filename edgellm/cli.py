@@ -16,6 +16,9 @@ COMMANDS = {
     "pull": ("edgellm.commands.pull", "fetch a known model into the cache"),
     "ls": ("edgellm.commands.ls", "list the cached models"),
     "rm": ("edgellm.commands.rm", "delete a cached model"),
+    "quantize": ("edgellm.commands.quantize", "quantize a GGUF file (llama-quantize's types and recipes)"),
+    "perplexity": ("edgellm.commands.perplexity", "perplexity (and KL vs a base model) over a text"),
+    "quality": ("edgellm.commands.quality", "quantize to several types: size, quality and speed side by side"),
 }
 
 
