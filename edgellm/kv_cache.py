@@ -43,6 +43,11 @@ class KVType:
     def quantized(self) -> bool:
         return self.ggml_type is not None
 
+    @property
+    def kernel_dtype(self):
+        """The element type the attention kernels run on: a quantized cache's dequantized float32."""
+        return np.float32 if self.quantized else self.dtype
+
     def row_bytes(self, n: int) -> int:
         """Bytes of one head's n values."""
         return int(n * self.bytes_per_value)

@@ -299,7 +299,7 @@ def _enabled(gpu_layers) -> bool:
 def _worker(path: str, kv_type: str, share: list) -> int:
     """Run `share`'s steps on one thread, printing "kernel NAME" as each kernel starts compiling and
     "step" after each step."""
-    from edgellm.runtime import KV_DTYPES
+    from edgellm.kv_cache import kv_type as _kv_type
 
     cfg, cpu, model = _open(path, 1)
 
@@ -308,7 +308,7 @@ def _worker(path: str, kv_type: str, share: list) -> int:
 
     with cpu.kernels.compile_listener(on_compile):
         for step in share:
-            run_step(tuple(step), cfg, cpu, model, KV_DTYPES[kv_type])
+            run_step(tuple(step), cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
             print("step", flush=True)
     return 0
 

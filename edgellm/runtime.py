@@ -85,9 +85,7 @@ class Runtime:
             if d == "cpu":
                 w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
                 kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
-        dtype = self.kv[0].k.dtype if self.kv else np.float16
-        if self.kv and self.kv[0].quant is not None:
-            dtype = np.float32  # a quantized cache's attention runs the float32 kernels
+        dtype = self.cache.kv_type.kernel_dtype  # a quantized cache's attention runs the float32 kernels
         runs = [(9, False), (9, True), (1, False)] + ([(3, False)] if self.n_seq > 1 else [])
         for il in kinds.values():
             window = cfg.sliding_window if cfg.swa_layers[il] else 0

@@ -82,3 +82,20 @@ def test_run_gpu_layers_without_gpu_is_clear(smollm2_path):
 def test_run_prompt_longer_than_context(smollm2_path):
     r = edgellm("run", str(smollm2_path), "-c", "16", "-p", "word " * 40, "-n", "2")
     assert r.returncode == 1 and "Traceback" not in r.stderr and "context holds 16" in r.stderr
+
+
+def test_kv_type_and_parallel_flags(smollm2_path):
+    """llama.cpp's -np, -ctk and -ctv reach the plan; K and V types that differ are one clear error."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "edgellm.cli", "plan", str(smollm2_path), "-np", "4", "-ctk", "q8_0",
+                        "-c", "1024", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["n_seq"], d["kv_type"]) == (4, "q8_0")
+    assert d["kv_pool"]["groups"][0]["blocks"] == 4 * 1024 // d["kv_pool"]["block_size"]
+    r = subprocess.run([sys.executable, "-m", "edgellm.cli", "plan", str(smollm2_path), "-ctk", "q8_0", "-ctv", "f16"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "same type" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -24,6 +24,31 @@ def gpu_layers_arg(value: str) -> int | str:
     return n
 
 
+KV_TYPE_NAMES = ("f16", "f32", "q8_0", "q4_0")  # edgellm.kv_cache.KV_TYPES (not imported: --help stays light)
+
+
+def add_kv_type_arguments(p: argparse.ArgumentParser) -> None:
+    """--kv-type, and llama.cpp's -ctk/--cache-type-k and -ctv/--cache-type-v (one type for both)."""
+    p.add_argument("--kv-type", choices=KV_TYPE_NAMES, default=None,
+                   help="KV cache type: f16 (default), f32, q8_0 or q4_0")
+    p.add_argument("-ctk", "--cache-type-k", choices=KV_TYPE_NAMES, default=None, dest="kv_type_k",
+                   help="llama.cpp's name for --kv-type (K)")
+    p.add_argument("-ctv", "--cache-type-v", choices=KV_TYPE_NAMES, default=None, dest="kv_type_v",
+                   help="llama.cpp's name for --kv-type (V): must equal K's")
+
+
+def kv_type_of(args) -> str:
+    """The one KV type the flags ask for (f16 when none does)."""
+    from edgellm.errors import InvalidArgumentError
+
+    given = {t for t in (getattr(args, "kv_type", None), getattr(args, "kv_type_k", None),
+                         getattr(args, "kv_type_v", None)) if t}
+    if len(given) > 1:
+        raise InvalidArgumentError(f"K and V caches must have the same type here (got {', '.join(sorted(given))}); "
+                                   "pass one of --kv-type / -ctk / -ctv")
+    return given.pop() if given else "f16"
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Model and offload flags shared with `edgellm run`."""
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
@@ -79,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     # A first-use download and the first run's kernel compile print their progress here, on the
     # plain terminal, before the UI starts; loading the file (seconds) then happens behind the app's
     # loading screen.
+    if hasattr(args, "kv_type_k"):
+        args.kv_type = kv_type_of(args)
     path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import argparse
 
-from edgellm.commands.chat import gpu_layers_arg
+from edgellm.commands.chat import add_kv_type_arguments, gpu_layers_arg, kv_type_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="GGUF file or known model name")
     p.add_argument("-c", "--ctx", type=int, default=4096, help="context length n_ctx (default 4096)")
     p.add_argument("-b", "--batch", type=int, default=512, help="prompt batch size n_batch (default 512)")
-    p.add_argument("--seqs", type=int, default=1, help="parallel sequences sharing the KV cache (default 1)")
+    p.add_argument("--seqs", "-np", "--parallel", type=int, default=1, dest="seqs",
+                   help="parallel sequences sharing the KV cache (default 1)")
+    p.add_argument("--kv-size", type=int, default=None, metavar="TOKENS",
+                   help="KV pool in tokens (default: --seqs x --ctx)")
     p.add_argument("--vram", metavar="SIZE", help="GPU budget, e.g. 4GiB (default: free VRAM; 0 without a GPU)")
     p.add_argument("--ram", metavar="SIZE", help="CPU budget, e.g. 16GiB (default: available RAM)")
     p.add_argument("-ngl", "--gpu-layers", type=gpu_layers_arg, default="auto",
                    help="blocks on the GPU: N, -1 (all) or auto (default auto)")
-    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type (default f16)")
+    add_kv_type_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (see docs/plan-json.md)")
 
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_gguf(gf)
     sizes = WeightSizes.from_tensors(gf.tensors, config.n_layer)
     budgets = detect_budgets(vram=args.vram, ram=args.ram)
-    p = plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=args.kv_type,
+    p = plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args),
+             kv_size=args.kv_size,
              gpu_layers=args.gpu_layers, budgets=budgets, check=False)
     if args.json:
         out = {"model": str(gf.path), "arch": config.arch, "n_layer": config.n_layer,

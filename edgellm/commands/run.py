@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edgellm.commands.chat import add_model_arguments, add_sampling_arguments
+from edgellm.commands.chat import add_kv_type_arguments, add_model_arguments, add_sampling_arguments, kv_type_of
 from edgellm.sampling import MAX_TOKENS
 
 
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=MAX_TOKENS, metavar="N",
                    help=f"tokens to generate (default {MAX_TOKENS}; -1: until the context is full)")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size (default 512)")
-    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type (default f16)")
+    add_kv_type_arguments(p)
     p.add_argument("--vram", default=None, metavar="SIZE", help="GPU memory budget for --gpu-layers auto (e.g. 4GiB)")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--chat", action="store_true",
@@ -48,6 +48,7 @@ def run(args) -> int:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
     from edgellm.precompile import fetch_and_prepare
 
+    args.kv_type = kv_type_of(args)
     path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False)
