@@ -137,9 +137,11 @@ class Model:
         self.stats.n_past = self.runtime.n_past
         return out
 
-    def logits(self, tokens) -> np.ndarray:
+    def logits(self, tokens, first: int = 0) -> np.ndarray:
+        """float32 (len(tokens) - first, n_vocab): a fresh context's logits at every position from
+        `first` on (earlier rows skip the output head: cheaper with a large vocabulary)."""
         with self._lock:
-            out = self.runtime.logits(tokens)
+            out = self.runtime.logits(tokens, first)
         self.stats.n_past = self.runtime.n_past
         return out
 

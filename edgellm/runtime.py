@@ -216,19 +216,27 @@ class Runtime:
             self._release_compiler()
         return logits[-1]
 
-    def logits(self, tokens) -> np.ndarray:
-        """Fresh context; float32 (n_tok, n_vocab) logits at every position."""
+    def logits(self, tokens, first: int = 0) -> np.ndarray:
+        """Fresh context; float32 (n_tok - first, n_vocab) logits at positions first.. (the rows
+        before `first` skip the output head, as llama.cpp's output-row selection does)."""
         ids = self._ids(tokens)
+        if not 0 <= first < max(len(ids), 1):
+            raise InvalidArgumentError(f"first must be in 0..{len(ids) - 1}, got {first}")
         self.reset()
         seq = self._own_seq()
         self._check_room(seq, len(ids))
         if len(ids) <= self.n_batch:  # one batch: its logits are the answer, no copy
-            logits = self._run(seq, ids, all_logits=True)
+            logits = self.forward([(seq, ids)], rows=None if first == 0 else list(range(first, len(ids))))
             self._release_compiler()
             return logits
-        out = np.empty((len(ids), self.cfg.n_vocab), dtype=np.float32)
+        out = np.empty((len(ids) - first, self.cfg.n_vocab), dtype=np.float32)
         for i in range(0, len(ids), self.n_batch):
-            out[i : i + self.n_batch] = self._run(seq, ids[i : i + self.n_batch], all_logits=True)
+            chunk = ids[i : i + self.n_batch]
+            lo = max(first - i, 0)
+            rows = None if lo == 0 else list(range(lo, len(chunk)))
+            got = self.forward([(seq, chunk)], rows=rows)
+            if len(got):
+                out[i + lo - first : i + len(chunk) - first] = got
         self._release_compiler()
         return out
 

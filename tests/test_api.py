@@ -99,3 +99,13 @@ def test_load_errors(tmp_path):
         edgellm.load(tmp_path / "missing.gguf")
     with pytest.raises(edgellm.EdgeLLMError, match="n_ctx"):
         edgellm.load(tmp_path / "missing.gguf", n_ctx=0)
+
+
+def test_logits_from_a_position_skip_the_head_for_earlier_rows(model):
+    """logits(ids, first=k) is logits(ids)[k:] bit for bit (across a batch boundary too)."""
+    ids = [int(t) for t in np.random.default_rng(1).integers(100, 40000, size=100)]  # n_batch 64: 2 batches
+    full = model.logits(ids)
+    np.testing.assert_array_equal(model.logits(ids, first=20), full[20:])
+    np.testing.assert_array_equal(model.logits(ids, first=80), full[80:])
+    with pytest.raises(edgellm.EdgeLLMError, match="first"):
+        model.logits(ids, first=100)

@@ -217,7 +217,7 @@ def prepare_chunks(model, text: str | None, n_ctx: int, n_chunks: int | None) ->
 def scored_logits(model, chunk: np.ndarray) -> np.ndarray:
     """float32 (n_ctx/2 - 1, V): the logits of a fresh run over `chunk` at the scored positions."""
     n_ctx = len(chunk)
-    return model.logits(chunk)[n_ctx // 2 : n_ctx - 1]
+    return model.logits(chunk, first=n_ctx // 2)[: n_ctx - 1 - n_ctx // 2]
 
 
 def score(model, chunks: np.ndarray, base: Callable[[int, np.ndarray], BaseLogProbs] | None = None,
