@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": ("edgellm.commands.plan", "plan CPU/GPU layer placement from the memory ledger"),
     "bench": ("edgellm.commands.bench", "measure prompt (pp) and decode (tg) speed"),
     "pull": ("edgellm.commands.pull", "fetch a known model into the cache"),
+    "serve": ("edgellm.commands.serve", "serve a model over an OpenAI-compatible HTTP API"),
 }
 
 
