@@ -43,7 +43,8 @@ def make_requests(n: int, seed: int, min_tokens: int, max_tokens: int) -> list[d
     return out
 
 
-async def one(client: httpx.AsyncClient, model: str, req: dict, ignore_eos: bool) -> dict:
+async def one(client: httpx.AsyncClient, model: str, req: dict, ignore_eos: bool, drop_after: int | None = None) -> dict:
+    """One streaming request; with drop_after=k the connection is closed after k content chunks."""
     body = {"model": model, "stream": True, "temperature": 0, "stream_options": {"include_usage": True},
             **req}
     if ignore_eos:
@@ -68,6 +69,8 @@ async def one(client: httpx.AsyncClient, model: str, req: dict, ignore_eos: bool
                     first = first or now
                     last = now
                     n_chunks += 1
+                    if drop_after is not None and n_chunks >= drop_after:
+                        return {"dropped": True}
     n = usage["completion_tokens"] if usage else n_chunks
     if first is None:
         return {"error": "no content"}
@@ -75,17 +78,20 @@ async def one(client: httpx.AsyncClient, model: str, req: dict, ignore_eos: bool
             "e2e": last - t0}
 
 
-async def run_load(url: str, model: str, requests: list[dict], clients: int, ignore_eos: bool) -> dict:
+async def run_load(url: str, model: str, requests: list[dict], clients: int, ignore_eos: bool,
+                   drop_rate: float = 0.0, seed: int = 0) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)
     results = []
+    rng = random.Random(seed)
 
     async def worker(client):
         while not queue.empty():
             req = queue.get_nowait()
+            drop = rng.randint(1, 8) if rng.random() < drop_rate else None
             try:
-                results.append(await one(client, model, req, ignore_eos))
+                results.append(await one(client, model, req, ignore_eos, drop))
             except httpx.HTTPError as exc:
                 results.append({"error": repr(exc)})
 
@@ -94,10 +100,12 @@ async def run_load(url: str, model: str, requests: list[dict], clients: int, ign
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
         wall = time.perf_counter() - t0
+    dropped = sum(1 for r in results if "dropped" in r)
+    results = [r for r in results if "dropped" not in r]
     ok = [r for r in results if "error" not in r]
     ttft = sorted(r["ttft"] for r in ok)
     tpot = sorted(r["tpot"] for r in ok if r["tpot"] is not None)
-    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
+    return {"clients": clients, "requests": len(results), "dropped": dropped, "errors": len(results) - len(ok),
             "error_examples": [r["error"] for r in results if "error" in r][:3],
             "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
@@ -146,6 +154,42 @@ def start(kind: str, args, clients: int) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit(f"{kind} did not become healthy in {args.start_timeout} s")
 
 
+def engine_gauges(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def soak(args) -> int:
+    import psutil
+
+    clients = max(int(c) for c in args.clients.split(","))
+    proc, url, model = start("edgellm", args, clients)
+    try:
+        rss = psutil.Process(proc.pid).memory_info
+        warm = make_requests(2 * clients, args.seed + 1, args.min_tokens, args.max_tokens)
+        asyncio.run(run_load(url, model, warm, clients, args.ignore_eos, drop_rate=0.33, seed=args.seed))
+        time.sleep(1)
+        rss0 = rss().rss
+        requests = make_requests(args.soak, args.seed, args.min_tokens, args.max_tokens)
+        row = asyncio.run(run_load(url, model, requests, clients, args.ignore_eos, drop_rate=0.33, seed=args.seed))
+        time.sleep(1)
+        rss1 = rss().rss
+        g = engine_gauges(url)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    leaks = {k: g.get(k) for k in ("edgellm_requests_running", "edgellm_requests_waiting")}
+    used, cached = g.get("edgellm_kv_blocks_used"), g.get("edgellm_kv_blocks_cached")
+    ok = not any(leaks.values()) and used == cached and row["errors"] == 0 and abs(rss1 / rss0 - 1) <= 0.05
+    print(f"soak: {row['requests'] + row['dropped']} requests ({row['dropped']} dropped), {row['errors']} errors, "
+          f"{clients} clients; after: running {leaks['edgellm_requests_running']}, waiting "
+          f"{leaks['edgellm_requests_waiting']}, KV blocks used {used} / cached {cached}; RSS "
+          f"{rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB ({100 * (rss1 / rss0 - 1):+.1f}%): {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="GGUF file (both servers load it)")
@@ -161,9 +205,14 @@ def main() -> int:
     ap.add_argument("--no-edgellm", action="store_true", help="only llama-server")
     ap.add_argument("--url", default=None, help="a server already running (skips starting any)")
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--soak", type=int, default=0, metavar="N",
+                    help="instead: N requests from the largest client count against edgellm serve, a third of "
+                         "them dropped after 1-8 tokens; checks no slot or KV block leaks and RSS stays flat")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    if args.soak:
+        return soak(args)
     requests = make_requests(args.requests, args.seed, args.min_tokens, args.max_tokens)
     kinds = [] if args.url else (["edgellm"] if not args.no_edgellm else []) + (
         ["llama-server"] if args.llama_server else [])

@@ -271,7 +271,7 @@ def test_queue_full_is_503(srv):
 ])
 def test_bad_fields_are_400_naming_them(srv, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
-        srv.client.chat.completions.create(model=srv.name, messages=HI, max_tokens=4, **extra)
+        srv.client.chat.completions.create(model=srv.name, messages=HI, **{"max_tokens": 4, **extra})
     assert e.value.status_code == 400
     err = e.value.body
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
