@@ -221,7 +221,8 @@ def main() -> int:
         for kind in kinds or ["url"]:  # alternate servers at each client count
             proc = None
             if kind == "url":
-                url, model = args.url, "bench"
+                url = args.url
+                model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             else:
                 proc, url, model = start(kind, args, clients)
             try:

@@ -131,6 +131,7 @@ class Engine:
         self._load = load  # () -> Model
         self.max_waiting = queue
         self.model = None
+        self.slots = 0  # sequences the engine runs at once (read once, after loading)
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
         self.in_flight = 0  # requests admitted and not finished (touched on the event loop only)
@@ -142,7 +143,9 @@ class Engine:
 
     def _load_thread(self) -> None:
         try:
-            self.model = self._load()
+            model = self._load()
+            self.slots = int(model.engine_stats()["n_seq"])
+            self.model = model
         except BaseException as exc:  # noqa: BLE001 - reported by the server
             self.load_error = exc
         finally:
@@ -154,7 +157,7 @@ class Engine:
 
     @property
     def n_seq(self) -> int:
-        return self.model.engine_stats().get("n_seq", 1) if self.loaded else 0
+        return self.slots if self.loaded else 0
 
     def require(self) -> None:
         if not self.loaded:
