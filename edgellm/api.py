@@ -1,41 +1,21 @@
 """The public Python API: `edgellm.load(...)` returns a `Model`.
 
-Generation is a ladder of generators: `_generate_tokens` (sample one token per decode step) →
-`generate` (text chunks that never split a UTF-8 sequence, stop strings, stats) → `chat`.
+Generation runs on the model's engine (edgellm/scheduler.py: one thread, continuous batching of up
+to n_seq sequences, prefix reuse from the paged KV cache); `submit` hands it a prompt and returns a
+`Request` (an iterator of Chunks, edgellm/generate.py); `generate`, `chat` and `generate_batch` are
+built on `submit` and may be called from several threads at once.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from edgellm.errors import ContextFullError, InvalidArgumentError
-
-
-@dataclass(frozen=True)
-class Chunk:
-    token: int
-    text: str  # never a broken UTF-8 sequence; may be "" while text is held back for a stop string
-    finish_reason: str | None = None  # "stop" (EOS/EOT or stop string), "length", or None
-
-
-@dataclass
-class Stats:
-    """Figures of the last call, updated while it runs."""
-
-    ttft_s: float = 0.0  # time to first token (prefill + first sample)
-    prompt_tokens: int = 0
-    prompt_tps: float = 0.0
-    gen_tokens: int = 0
-    gen_tps: float = 0.0
-    tpot_ms: float = 0.0  # time per output token after the first
-    device_ms: dict[str, float] = field(default_factory=dict)  # decode ms per token per device
-    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> term -> bytes
-    n_past: int = 0  # tokens in the context
-    n_ctx: int = 0
+from edgellm.errors import InvalidArgumentError
+from edgellm.generate import Chunk, Request, SeqStream, Stats, split_stop as _split_stop  # noqa: F401
 
 
 def default_threads() -> int:
@@ -49,9 +29,13 @@ def default_threads() -> int:
 
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
-         vram=None, kv_type: str = "f16", quiet: bool = True) -> "Model":
+         vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
+         quiet: bool = True) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
-    -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports."""
+    -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
+    n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
+    context. kv_size: the KV pool in tokens (default n_seq * n_ctx; smaller pools preempt).
+    policy: "continuous" batching (default) or "static" (a batch ends when its longest member ends)."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -60,11 +44,22 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
         raise InvalidArgumentError(f"threads must be an integer >= 1, got {threads}")
     if int(n_ctx) != n_ctx or n_ctx < 1 or int(n_batch) != n_batch or n_batch < 1:
         raise InvalidArgumentError(f"n_ctx and n_batch must be integers >= 1 (got {n_ctx}, {n_batch})")
+    if isinstance(n_seq, bool) or int(n_seq) != n_seq or n_seq < 1:
+        raise InvalidArgumentError(f"n_seq must be an integer >= 1 (sequences decoded together), got {n_seq!r}")
+    if kv_size is not None and (int(kv_size) != kv_size or kv_size < 1):
+        raise InvalidArgumentError(f"kv_size must be a number of tokens >= 1, got {kv_size!r}")
+    from edgellm.kv_cache import kv_type as _check_kv_type
+    from edgellm.scheduler import POLICIES
+
+    _check_kv_type(kv_type)
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     file = resolve_model(path, quiet=quiet)
     gf = GGUFFile(file)
     cfg = ModelConfig.from_gguf(gf)
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
-                 threads=threads or default_threads(), vram=vram, kv_type=kv_type, quiet=quiet)
+                 threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
+                 kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet)
 
 
 class _CompileReport:
@@ -99,10 +94,11 @@ class _CompileReport:
 
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
-                 quiet: bool = True):
+                 n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True):
         from edgellm.backend_cpu import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
+        from edgellm.scheduler import Engine
         from edgellm.tokenizer import Tokenizer
 
         self.gf = gf
@@ -112,10 +108,11 @@ class Model:
         self.n_vocab = cfg.n_vocab
         self.n_ctx = n_ctx
         self.n_batch = min(n_batch, n_ctx)
+        self.n_seq = n_seq
         self.threads = threads
         self.tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
-                              kv_type=kv_type, vram=vram)
+                              kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size)
         if backends is None:
             backends = {"cpu": CPUBackend(threads)}
             if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu":
@@ -128,9 +125,12 @@ class Model:
         report = None if quiet else _CompileReport()
         self.runtime = Runtime(gf, cfg, layer_devices=self.plan.layers, output_device=self.plan.output_device,
                                backends=backends, n_ctx=n_ctx, n_batch=self.n_batch, kv_type=kv_type,
-                               on_compile=report)
+                               n_seq=n_seq, kv_size=kv_size, on_compile=report)
         if report is not None:
             report.done()
+        self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'
+        self.engine = Engine(self.runtime, self.tokenizer, n_seq=n_seq, n_batch=self.n_batch, n_ctx=n_ctx,
+                             policy=policy, lock=self._lock)
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
 
@@ -145,16 +145,19 @@ class Model:
 
     # --- evaluation -----------------------------------------------------------------------
     def reset(self) -> None:
-        self.runtime.reset()
+        with self._lock:
+            self.runtime.reset()
         self.stats.n_past = 0
 
     def eval(self, tokens) -> np.ndarray:
-        out = self.runtime.eval(tokens)
+        with self._lock:
+            out = self.runtime.eval(tokens)
         self.stats.n_past = self.runtime.n_past
         return out
 
     def logits(self, tokens) -> np.ndarray:
-        out = self.runtime.logits(tokens)
+        with self._lock:
+            out = self.runtime.logits(tokens)
         self.stats.n_past = self.runtime.n_past
         return out
 
@@ -169,77 +172,83 @@ class Model:
             bos = self.tokenizer.bos_id
             if len(ids) >= 2 and bos is not None and ids[0] == bos and ids[1] == bos:
                 ids = ids[1:]  # a template that writes BOS itself
-            return ids
-        ids = [int(t) for t in prompt]
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError("the prompt must be a str or a list of token ids") from None
         if not ids:
             raise InvalidArgumentError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.n_vocab]
+        if bad:
+            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
 
-    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
-                 stop: Iterable[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
-        """Complete `prompt` (str or token ids) in a fresh context, streaming Chunks."""
+    def submit(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+               top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+               stop: Iterable[str] = (), ignore_eos: bool = False, logprobs: int | None = None) -> Request:
+        """Queue `prompt` (str or token ids) on the engine; returns a Request: an iterator of Chunks,
+        with .cancel() and .stats. Thread-safe; concurrent requests are decoded together.
+        logprobs=k: every Chunk carries the sampled token's logprob and the k most likely."""
         from edgellm.sampling import Sampler, SamplingParams
 
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed)
-        if int(max_tokens) != max_tokens or max_tokens < 0:
+        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 0:
             raise InvalidArgumentError(f"max_tokens must be an integer >= 0, got {max_tokens}")
+        if logprobs is not None and (int(logprobs) != logprobs or not 0 <= logprobs <= 20):
+            raise InvalidArgumentError(f"logprobs must be an integer in 0..20, got {logprobs}")
+        if isinstance(stop, str):
+            stop = [stop]
         ids = self._prompt_ids(prompt)
-        if len(ids) >= self.n_ctx:
-            raise ContextFullError(
-                f"the prompt is {len(ids)} tokens but the context holds {self.n_ctx}; "
-                "shorten the prompt or load with a larger n_ctx (-c)"
-            )
-        stops = [s for s in stop if s]
-        return self._stream(ids, Sampler(params), int(max_tokens), stops, ignore_eos)
+        stream = SeqStream(self.tokenizer, list(stop), int(max_tokens), ignore_eos, self.n_ctx)
+        req = self.engine.submit(ids, Sampler(params), stream, logprobs)
+        req.stats.memory = self.stats.memory
+        if max_tokens == 0:
+            req.cancel()
+        return req
 
-    def _stream(self, ids, sampler, max_tokens, stops, ignore_eos) -> Iterator[Chunk]:
-        stats = self.stats = Stats(n_ctx=self.n_ctx, memory=self.stats.memory)
-        decoder = self.tokenizer.stream_decoder()
-        history = list(ids)
-        pending = ""  # text held back while it could be the start of a stop string
-        t_start = time.perf_counter()
-        self.reset()
-        logits = self.eval(ids)
-        t_prompt = time.perf_counter()
-        stats.prompt_tokens = len(ids)
-        stats.prompt_tps = len(ids) / max(t_prompt - t_start, 1e-9)
-        self.runtime.timing.seconds.clear()
-        self.runtime.timing.tokens = 0
-        n = 0
-        while n < max_tokens:
-            tok = sampler(logits, history)
-            n += 1
-            now = time.perf_counter()
-            if n == 1:
-                stats.ttft_s = now - t_start
-                t_first = now
-            stats.gen_tokens = n
-            if n > 1:
-                stats.tpot_ms = 1000 * (now - t_first) / (n - 1)
-                stats.gen_tps = (n - 1) / max(now - t_first, 1e-9)
-            timing = self.runtime.timing
-            if timing.tokens:
-                stats.device_ms = {d: 1000 * s / timing.tokens for d, s in timing.seconds.items()}
-            if not ignore_eos and self.tokenizer.is_eog(tok):
-                yield Chunk(tok, pending + decoder.flush(), "stop")
-                return
-            history.append(tok)
-            text = pending + decoder.push(tok)
-            pending = ""
-            if stops:
-                text, pending, hit = _split_stop(text, stops)
-                if hit:
-                    yield Chunk(tok, text, "stop")
-                    return
-            last = n == max_tokens or self.runtime.n_past >= self.n_ctx
-            if last:
-                yield Chunk(tok, text + pending + decoder.flush(), "length")
-                return
-            yield Chunk(tok, text)
-            logits = self.eval([tok])
-            stats.n_past = self.runtime.n_past
+    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
+                 stop: Iterable[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+        """Complete `prompt` (str or token ids), streaming Chunks; `stats` follows this call. The
+        longest cached prefix of the prompt is reused (a chat's earlier turns are not recomputed).
+        Breaking out of the loop frees the sequence."""
+        req = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
+        self.stats = req.stats
+        return self._follow(req)
+
+    @staticmethod
+    def _follow(req: Request) -> Iterator[Chunk]:
+        try:
+            yield from req
+        finally:
+            req.cancel()
+
+    def generate_batch(self, prompts, **sampling) -> list[str]:
+        """Complete every prompt (decoded together, up to n_seq at a time); the texts in order."""
+        reqs = [self.submit(p, **sampling) for p in prompts]
+        try:
+            return [r.text() for r in reqs]
+        finally:
+            for r in reqs:
+                r.cancel()
+
+    def engine_stats(self) -> dict:
+        """Sequences running / waiting, KV blocks total / used / cached / free, preemptions, token
+        totals (the server's /metrics)."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine thread (requests in flight end)."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, messages, **sampling) -> Iterator[Chunk]:
         """Render `messages` with the file's chat template (ChatML if it has none) and stream the reply."""
@@ -267,16 +276,3 @@ class Model:
                 f"gpu_layers={self.plan.n_gpu_layers}>")
 
 
-def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
-    """(text to emit, text to hold back, stop hit)."""
-    for s in stops:
-        i = text.find(s)
-        if i >= 0:
-            return text[:i], "", True
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return (text[: len(text) - hold], text[len(text) - hold :], False) if hold else (text, "", False)

@@ -64,12 +64,39 @@ class KVLayer:
     def slots(self, positions: np.ndarray) -> np.ndarray:
         return positions % self.size
 
+    @property
+    def layout(self):
+        """The ring as a one-sequence step layout: every query sees slots [0, n_used), one token
+        alone (the one-token kernel), a batch as one chunk."""
+        return _RingLayout(self)
+
     def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
         if getattr(self, "_kernel_arrays", None) is None:
             bits = self.k.dtype == np.float16
             self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
         return self._kernel_arrays
+
+
+class _RingLayout:
+    """kv_cache.StepLayout's fields for a ring KVLayer (computed when read: n_used changes)."""
+
+    def __init__(self, kv: KVLayer):
+        self.kv = kv
+
+    def for_tokens(self, n_tok: int):
+        used = self.kv.n_used
+        kmap = np.arange(used, dtype=np.int64)
+        kbeg, kend = np.zeros(n_tok, np.int64), np.full(n_tok, used, np.int64)
+        return kmap, kbeg, kend, (1 if n_tok == 1 else 0), ([] if n_tok == 1 else [(0, n_tok)])
+
+
+def attention_layout(kv, n_tok: int):
+    """(kmap, kbeg, kend, n_single, chunks) of a step over cache layer kv (see kv_cache.StepLayout)."""
+    lay = kv.layout
+    if isinstance(lay, _RingLayout):
+        return lay.for_tokens(n_tok)
+    return lay.kmap, lay.kbeg, lay.kend, lay.n_single, lay.chunks
 
 
 class NumpyBackend:
@@ -112,6 +139,12 @@ class NumpyBackend:
 
     def kv_layer(self, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0) -> KVLayer:
         return KVLayer(np, size, n_kv_head, head_dim_k, head_dim_v, dtype, window)
+
+    def kv_array(self, shape, dtype) -> np.ndarray:
+        """A KV cache array, its pages committed now (memory runs out at load, never mid-generation)."""
+        a = np.zeros(shape, dtype=dtype)
+        a.fill(0)
+        return a
 
     def synchronize(self) -> None:
         pass
@@ -162,20 +195,29 @@ class NumpyBackend:
         kv.k[slots] = k
         kv.v[slots] = v
         kv.pos[slots] = pos
-        kv.n_used = max(kv.n_used, int(slots.max()) + 1)
+        if isinstance(kv, KVLayer):
+            kv.n_used = max(kv.n_used, int(slots.max()) + 1)
 
     def attention(self, q: np.ndarray, kv: KVLayer, pos: np.ndarray, scale: float, out: np.ndarray) -> None:
         """Causal (and sliding-window) attention of q (n_tok, n_head, hd_k) at positions `pos`
-        over the cache; out (n_tok, n_head * hd_v). Softmax in float32; the query is rounded to
-        f16 like ggml's f16 K · f32 Q product."""
+        over the cache; out (n_tok, n_head * hd_v). Each token attends to its key list (the step
+        layout): alone (ggml's one-token order) or with the other tokens of its chunk (the batch
+        order)."""
+        kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
+        groups = [(t, t + 1) for t in range(n_single)] + list(chunks)
+        for t0, t1 in groups:
+            keys = kmap[kbeg[t0]:kend[t0]]
+            self._attend(q[t0:t1], kv.k[keys], kv.v[keys], kv.pos[keys], pos[t0:t1], kv.window, scale, out[t0:t1])
+
+    def _attend(self, q, kc, vc, kpos, pos, window, scale, out) -> None:
+        """q (n_tok, n_head, hd_k) over the keys kc, vc (T, n_kv, hd) at positions kpos (-1: empty).
+        Softmax in float32; the query is rounded to the cache type like ggml's f16 K · f32 Q product."""
         n_tok, n_head, hd = q.shape
-        used = kv.n_used
-        n_kv = kv.k.shape[1]
+        n_kv = kc.shape[1]
         g = n_head // n_kv
-        k = kv.k[:used].astype(F32)  # (T, n_kv, hd)
-        v = kv.v[:used].astype(F32)
-        kpos = kv.pos[:used]
-        qh = q.astype(kv.k.dtype).astype(F32).reshape(n_tok, n_kv, g, hd).transpose(1, 0, 2, 3)
+        k = kc.astype(F32)  # (T, n_kv, hd)
+        v = vc.astype(F32)
+        qh = q.astype(kc.dtype).astype(F32).reshape(n_tok, n_kv, g, hd).transpose(1, 0, 2, 3)
         qh = qh.reshape(n_kv, n_tok * g, hd)
         # scores summed in ggml's lane order (vec_dot_f16 for one token, tinyBLAS for a batch), so
         # that the probabilities round to f16 as the kernel's do
@@ -185,14 +227,14 @@ class NumpyBackend:
         s = np.stack([np.stack([dot_f16(k[:, h], row, n_acc) for row in qh[h]]) for h in range(n_kv)])
         s *= F32(scale)
         visible = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None])  # (n_tok, T)
-        if kv.window:
-            visible &= pos[:, None] - kpos[None, :] < kv.window
+        if window:
+            visible &= pos[:, None] - kpos[None, :] < window
         visible = np.repeat(visible, g, axis=0)  # (n_tok*g, T)
         s = np.where(visible[None], s, F32(-np.inf))
         s -= s.max(axis=-1, keepdims=True)
         s = expf_ggml(s)
         s *= (1.0 / _softmax_total(s)).astype(F32)
-        s = s.astype(kv.v.dtype).astype(F32)  # ggml rounds P to the V cache type for the P V product
+        s = s.astype(vc.dtype).astype(F32)  # ggml rounds P to the V cache type for the P V product
         o = np.matmul(s, v.transpose(1, 0, 2))  # (n_kv, n_tok*g, hd_v)
         hd_v = v.shape[-1]
         out[:] = o.reshape(n_kv, n_tok, g, hd_v).transpose(1, 0, 2, 3).reshape(n_tok, n_head * hd_v)
@@ -298,17 +340,25 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
-        # ggml's order: vec_dot_f16's four accumulators for one token, tinyBLAS's one for a batch
+        kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         z = kc.dtype.type(0)
-        if q.shape[0] == 1:
-            self.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, F32(scale), 4, out, z)
-            return
-        # a batch: V transposed (keys contiguous per element, as ggml stores it), zero-padded to
-        # a multiple of 8 keys
-        used = kv.n_used
-        vt = np.zeros((vc.shape[1], vc.shape[2], -(-used // 8) * 8), vc.dtype)
-        vt[:, :, :used] = vc[:used].transpose(1, 2, 0)
-        self.ops.attend_batch(q, kc, vt, kv.pos, used, pos, kv.window, F32(scale), out, z)
+        scale = F32(scale)
+        # ggml's order: vec_dot_f16's four accumulators for a token alone, tinyBLAS's one for a batch
+        if n_single:
+            self.ops.attend_ggml(q[:n_single], kc, vc, kv.pos, kmap, kbeg[:n_single], kend[:n_single],
+                                 pos[:n_single], kv.window, scale, 4, out[:n_single], z)
+        for t0, t1 in chunks:
+            keys = kmap[kbeg[t0]:kend[t0]]
+            used = len(keys)
+            if used and keys[-1] - keys[0] == used - 1:  # contiguous slots: views, no gather
+                kk, vv, kp = kc[keys[0]:keys[0] + used], vc[keys[0]:keys[0] + used], kv.pos[keys[0]:keys[0] + used]
+            else:
+                kk, vv, kp = kc[keys], vc[keys], kv.pos[keys]
+            # V transposed (keys contiguous per element, as ggml stores it), zero-padded to a
+            # multiple of 8 keys
+            vt = np.zeros((vv.shape[1], vv.shape[2], -(-used // 8) * 8), vv.dtype)
+            vt[:, :, :used] = vv.transpose(1, 2, 0)
+            self.ops.attend_batch(q[t0:t1], kk, vt, kp, used, pos[t0:t1], kv.window, scale, out[t0:t1], z)
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:
@@ -324,15 +374,17 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         p = int(pos[-1])
         cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, p + 1)
-        used = max(kv.n_used, p % kv.size + 1)
+        slots = kv.slots(pos)
+        if isinstance(kv, KVLayer):
+            kv.n_used = max(kv.n_used, int(slots[0]) + 1)
+        kmap, kbeg, kend, _, _ = attention_layout(kv, 1)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
         weights, norms, tids = plan
         self.fused_ops.decode_block(
             x, s.h, s.q.reshape(1, n_head, -1), s.k.reshape(1, n_kv, -1), s.v.reshape(1, n_kv, -1), s.a, s.o,
             s.gate, s.up, *self._fused_activations(max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
-            *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, kv.size, used, kv.window,
-            F32(scale), gelu, gelu_f16_table(), F32(q_scale))
-        kv.n_used = used
+            *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, slots, kmap, kbeg, kend,
+            kv.window, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
         return True
 
     def _fused_plan(self, L, kv):
@@ -378,13 +430,14 @@ class CPUBackend(NumpyBackend):
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return qkv_attention_by_ops(self, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base,
                                          freq_scale, neox, kv, pos, scale, out, q_scale)
-        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos[-1]) + 1)
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
         bq, bk, bv = (_NONE if b is None else b for b in biases)
+        slots = kv.slots(pos)
         self.ops.prepare_qkv(q, k, v, bq, bk, bv, _NONE if q_norm is None else q_norm,
                              _NONE if k_norm is None else k_norm, eps, cos, sin, pos, n_rot, neox,
-                             kc, vc, kv.pos, kv.size, F32(q_scale))
-        last = int(pos[-1]) % kv.size if len(pos) == 1 else int((pos % kv.size).max())
-        kv.n_used = max(kv.n_used, last + 1)
+                             kc, vc, kv.pos, slots, F32(q_scale))
+        if isinstance(kv, KVLayer):
+            kv.n_used = max(kv.n_used, int(slots.max()) + 1)
         self.attention(q, kv, pos, scale, out)
 
 

@@ -55,6 +55,10 @@ class ContextFullError(EdgeLLMError):
     """More tokens than the context (n_ctx) holds."""
 
 
+class KVCacheFullError(EdgeLLMError):
+    """The KV cache has no free block for a sequence (others hold them all)."""
+
+
 class InvalidArgumentError(EdgeLLMError, ValueError):
     """A parameter value out of range (temperature < 0, top_p outside (0, 1], ...)."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from edgellm.errors import GPUUnavailableError
 
 
-def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vram=None, ram=None, n_seq: int = 1):
+def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vram=None, ram=None, n_seq: int = 1,
+              kv_size: int | None = None):
     from edgellm.memory import detect_budgets
     from edgellm.planner import WeightSizes, plan
 
@@ -18,7 +19,8 @@ def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vr
             raise GPUUnavailableError(f"--gpu-layers {gpu_layers} needs a GPU, but {reason}")
     budgets = detect_budgets(vram=vram, ram=ram)
     sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
-    return plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, gpu_layers=gpu_layers,
+    return plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, kv_size=kv_size,
+                gpu_layers=gpu_layers,
                 budgets=budgets, check=True)
 
 

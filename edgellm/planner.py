@@ -3,7 +3,8 @@
 Per device, memory is five terms (design.md, "The memory ledger"):
 
     weights      exact bytes of the tensors placed there (TensorInfo.nbytes)
-    kv_cache     per layer (head_dim_k + head_dim_v) * n_head_kv * n_ctx_layer * n_seq * bytes(kv_type)
+    kv_cache     per layer: the slots of its group's block pool x (head_dim_k + head_dim_v) * n_head_kv
+                 * bytes(kv_type) (edgellm/kv_cache.py: the same formula allocates the cache)
     activations  the buffers of one forward step of n_batch tokens, by name (`activation_buffers`)
     runtime      GPU: CUDA context + cuBLAS + allocator; CPU: interpreter, NumPy, Numba (constants below)
     margin       MARGIN_FRACTION of the first three, at least MARGIN_MIN, on a device that holds anything
@@ -15,8 +16,8 @@ Placement follows llama.cpp (src/llama-model.cpp, `i_gpu_start`): the token embe
 to token_embd and goes to the GPU, the GPU holds its own copy of that matrix.
 
 Sliding-window layers: llama.cpp keeps n_ctx cells for them too unless swa_full is off; edgellm's KV
-cache for a sliding layer is a ring of window + n_batch cells (the window plus the batch being written),
-and the planner charges exactly that.
+pool for the sliding layers holds per sequence the window plus a batch (and a block each side), and
+the planner charges exactly the pool's blocks.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from edgellm.errors import InvalidArgumentError, PlanError
+from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes_per_token, layer_window, pool_blocks
 from edgellm.memory import MiB, Budgets, format_size
 
-KV_TYPE_BYTES = {"f16": 2, "f32": 4}
 
 # GPU runtime: the CUDA context (~300-450 MiB of device memory on a current driver with lazy module
 # loading, more on GPUs with many SMs), the cuBLAS handle and workspace (~32-64 MiB) and the rounding
@@ -118,6 +119,7 @@ class RunShape:
     n_batch: int
     n_seq: int
     kv_type: str
+    kv_size: int | None = None  # KV pool in tokens (None: n_seq contexts)
 
     @property
     def n_tok(self) -> int:
@@ -127,16 +129,16 @@ class RunShape:
 
 # ============================================================================ the four terms
 def layer_n_ctx(config, il: int, shape: RunShape) -> int:
-    """KV cells of layer il: n_ctx, or window + n_batch for a sliding-window layer (a ring)."""
-    if config.sliding_window > 0 and config.swa_layers[il]:
-        return min(shape.n_ctx, config.sliding_window + shape.n_batch)
-    return shape.n_ctx
+    """Longest key list of layer il: n_ctx, or a sliding window's blocks (window + a batch)."""
+    w = layer_window(config, il)
+    return shape.n_ctx if w == 0 else min(shape.n_ctx, blocks_per_sequence(w, shape.n_ctx, shape.n_batch) * BLOCK_SIZE)
 
 
 def kv_cache_bytes(config, il: int, shape: RunShape) -> int:
-    """K and V of one layer: (head_dim_k + head_dim_v) * n_head_kv * n_ctx_layer * n_seq * bytes."""
-    per_cell = (config.head_dim_k + config.head_dim_v) * config.n_head_kv * KV_TYPE_BYTES[shape.kv_type]
-    return per_cell * layer_n_ctx(config, il, shape) * shape.n_seq
+    """K and V of one layer: its group's pool slots x bytes per token (kv_cache's formula)."""
+    n = pool_blocks(layer_window(config, il), n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_seq=shape.n_seq,
+                    kv_size=shape.kv_size)
+    return n * BLOCK_SIZE * kv_bytes_per_token(config, shape.kv_type)
 
 
 def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head: bool, is_host: bool,
@@ -174,7 +176,9 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
     if holds_head or is_host:
-        buffers["logits"] = t * c.n_vocab * F32  # (n_tok, n_vocab)
+        # (rows, n_vocab): a generation step needs the logits of one row per sequence (the last
+        # token of each); Model.logits() of a whole batch allocates its own n_tok rows on top
+        buffers["logits"] = min(t, shape.n_seq) * c.n_vocab * F32
     return buffers
 
 
@@ -314,7 +318,7 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
 
 
 def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: int = 1, kv_type: str = "f16",
-         gpu_layers: int | str = 0, budgets: Budgets, check: bool = True,
+         gpu_layers: int | str = 0, budgets: Budgets, check: bool = True, kv_size: int | None = None,
          costs: RuntimeCosts = RuntimeCosts()) -> Plan:
     """Place the layers and account for every byte. `gpu_layers`: 0 | N | -1 (all) | "auto".
 
@@ -323,13 +327,13 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
     with the ledger numbers and the remedies when `check` is true; with check=False the plan is
     returned with fits=False (what `edgellm plan` shows).
     """
-    if kv_type not in KV_TYPE_BYTES:
-        raise InvalidArgumentError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPE_BYTES)}")
+    if kv_type not in KV_TYPES:
+        raise InvalidArgumentError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
     if min(n_ctx, n_batch, n_seq) < 1:
         raise InvalidArgumentError(f"n_ctx, n_batch and n_seq must be >= 1 (got {n_ctx}, {n_batch}, {n_seq})")
     if len(sizes.blocks) != config.n_layer:
         raise InvalidArgumentError(f"{len(sizes.blocks)} block sizes given for {config.n_layer} layers")
-    shape = RunShape(n_ctx, n_batch, n_seq, kv_type)
+    shape = RunShape(n_ctx, n_batch, n_seq, kv_type, kv_size)
     n_layer = config.n_layer
     notes: list[str] = []
 

@@ -1,8 +1,13 @@
-"""Layer execution across devices: KV cache, batched prefill, one-token decode, per-device timing.
+"""Layer execution across devices: one forward step over a ragged batch, per-device timing.
 
-The hidden state starts on the CPU (token embedding), runs each block on its layer's backend and
+A step takes tokens of one or more sequences (each token with its own position; a sequence's KV
+blocks come from the paged cache in edgellm/kv_cache.py) and returns the logits of the rows asked
+for. The hidden state starts on the CPU (token embedding), runs each block on its layer's backend and
 crosses a device boundary only where the layer map changes device (once per direction per step with
 the planner's contiguous split), then the output head runs on its own device.
+
+`eval` / `logits` / `reset` drive one built-in sequence (the single-context API); the scheduler
+(edgellm/scheduler.py) drives many through `forward`.
 """
 from __future__ import annotations
 
@@ -11,9 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgellm.errors import ContextFullError, InvalidArgumentError
+from edgellm.errors import ContextFullError, InvalidArgumentError, KVCacheFullError
 
-KV_DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
 @dataclass
@@ -27,38 +31,30 @@ class StepTiming:
         self.seconds[device] = self.seconds.get(device, 0.0) + dt
 
 
-def kv_cache_slots(cfg, il: int, n_ctx: int, n_batch: int) -> int:
-    """Cache slots layer il needs: n_ctx, or window + n_batch for a sliding-window layer (a ring)."""
-    if cfg.swa_layers[il] and cfg.sliding_window > 0:
-        return min(n_ctx, cfg.sliding_window + n_batch)
-    return n_ctx
-
-
 class Runtime:
     def __init__(self, gf, cfg, *, layer_devices, output_device: str, backends: dict, n_ctx: int,
-                 n_batch: int, kv_type: str = "f16", on_compile=None):
+                 n_batch: int, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, on_compile=None):
+        from edgellm.kv_cache import KVCache
         from edgellm.models import architecture
 
-        if kv_type not in KV_DTYPES:
-            raise InvalidArgumentError(f"kv_type must be one of {', '.join(KV_DTYPES)}, not {kv_type!r}")
         if n_ctx < 1 or n_batch < 1:
             raise InvalidArgumentError(f"n_ctx and n_batch must be >= 1 (got {n_ctx}, {n_batch})")
+        if int(n_seq) != n_seq or n_seq < 1:
+            raise InvalidArgumentError(f"n_seq must be an integer >= 1 (parallel sequences), got {n_seq}")
         self.cfg = cfg
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.n_seq = int(n_seq)
         self.backends = backends
         self.layer_devices = list(layer_devices)
         self.output_device = output_device
         cpu = backends["cpu"]
         module = architecture(cfg.arch)
         self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[output_device], cpu)
-        dtype = KV_DTYPES[kv_type]
-        self.kv = [
-            backends[d].kv_layer(kv_cache_slots(cfg, il, n_ctx, n_batch), cfg.n_head_kv, cfg.head_dim_k,
-                                 cfg.head_dim_v, dtype, cfg.sliding_window if cfg.swa_layers[il] else 0)
-            for il, d in enumerate(self.layer_devices)
-        ]
-        self.n_past = 0
+        self.cache = KVCache(cfg, [backends[d] for d in self.layer_devices], n_ctx=n_ctx, n_batch=n_batch,
+                             n_seq=self.n_seq, kv_type=kv_type, kv_size=kv_size)
+        self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
+        self.seq = None  # the single-context API's sequence (created on first use)
         self.timing = StepTiming()
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
@@ -69,7 +65,8 @@ class Runtime:
         the compiler's memory back (kernels.cpu.release_compiler). Loading kernels runs LLVM, whose
         pages would otherwise stay resident beside the weights for the whole run. One CPU layer of
         each kind (its tensor types and row counts, sliding window or not, last or not) runs a
-        9-token batch and a token on a scratch cache, reading only that layer's weights; the output
+        9-token batch and a token on a scratch cache, reading only that layer's weights (and a
+        3-token batch, the decode step of several sequences, when there can be several); the output
         head's products run on 8 of its rows. on_compile(kernel_name), if given, is called as each
         kernel starts compiling (the first run of an install; later runs load them from disk)."""
         cpu = self.backends["cpu"]
@@ -89,21 +86,22 @@ class Runtime:
                 w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
                 kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
         dtype = self.kv[0].k.dtype if self.kv else np.float16
+        runs = [(9, False), (9, True), (1, False)] + ([(3, False)] if self.n_seq > 1 else [])
         for il in kinds.values():
             window = cfg.sliding_window if cfg.swa_layers[il] else 0
-            for n, last_only in ((9, False), (9, True), (1, False)):
+            for n, last_only in runs:
                 if last_only and il != last:
                     continue
                 kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, dtype, window)
                 x = model.embed(np.zeros(n, np.int64))
-                model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, last_only=last_only)
+                model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, rows=slice(n - 1, n) if last_only else None)
         if self.output_device == "cpu" and hasattr(model.output, "ggml_type"):
             w = model.output
             rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
-            for n in (9, 1):
+            for n in (9, 1) + ((3,) if self.n_seq > 1 else ()):
                 h = np.zeros((n, cfg.n_embd), np.float32)
                 cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
-                rows.matmul(h, np.empty((n, 8), np.float32))
+                rows.matmul(h, np.empty((n, 8), np.float32)) if n > 1 else rows.matvec(h[0], np.empty(8, np.float32))
 
     def _release_compiler(self) -> None:
         """Release the compiler's pages if kernels were loaded since the last time."""
@@ -117,20 +115,27 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------
     def kv_bytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for d, kv in zip(self.layer_devices, self.kv):
-            out[d] = out.get(d, 0) + kv.nbytes
-        return out
+        return self.cache.nbytes()
 
-    def reset(self) -> None:
-        for kv in self.kv:
-            kv.clear()
-        self.n_past = 0
+    # --- one step over a ragged batch -------------------------------------------------------------
+    def forward(self, entries, rows=None) -> np.ndarray:
+        """One forward step. entries: [(SeqKV, token ids int64 (n,))] — each sequence's tokens go at
+        its next positions; entries of one token first; blocks for them must have been allocated
+        (SeqKV.grow). rows: indices (into the concatenated tokens) whose logits are returned, None
+        for all. Returns host float32 (n_rows, n_vocab); the sequences are committed (their tokens
+        are in the cache)."""
+        from edgellm.kv_cache import build_layouts
 
-    def _step(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
-        """Run n_tok ≤ n_batch tokens at positions n_past.. ; returns host logits (n_out, n_vocab)."""
+        ids = np.concatenate([e[1] for e in entries]).astype(np.int64, copy=False)
+        pos_list = [np.arange(seq.n_past, seq.n_past + len(t), dtype=np.int64) for seq, t in entries]
+        pos = np.concatenate(pos_list)
+        layouts = build_layouts(self.cache, [(seq, p) for (seq, _), p in zip(entries, pos_list)])
+        for il, lk in enumerate(self.kv):
+            lk.layout = layouts[self.cache.group_of[il]]
+        n = len(ids)
+        if rows is not None and len(rows) == 1 and rows[0] == n - 1:
+            rows = slice(n - 1, n)  # the last row: a view, as a one-sequence prompt always had it
         timing = self.timing
-        pos = np.arange(self.n_past, self.n_past + len(ids), dtype=np.int64)
         t0 = time.perf_counter()
         x = self.model.embed(ids)
         cur = self.backends["cpu"]
@@ -141,18 +146,20 @@ class Runtime:
                 x = self._cross(x, cur, b)
                 cur = b
             t0 = time.perf_counter()
-            self.model.block(il, b, x, pos, self.kv[il], last_only=not all_logits and il == last)
+            x = self.model.block(il, b, x, pos, self.kv[il], rows=rows if il == last else None)
             b.synchronize()
             timing.add(b.device, time.perf_counter() - t0)
+        if last < 0 and rows is not None:
+            x = x[rows]
         ob = self.model.output_backend
         if ob is not cur:
             x = self._cross(x, cur, ob)
         t0 = time.perf_counter()
-        rows = x if all_logits else x[-1:]
-        logits = self.model.head(rows)
+        logits = self.model.head(x)
         timing.add(ob.device, time.perf_counter() - t0)
-        self.n_past += len(ids)
-        timing.tokens += len(ids)
+        timing.tokens += n
+        for seq, t in entries:
+            seq.commit(t)
         return logits
 
     def _cross(self, x, src, dst):
@@ -162,22 +169,45 @@ class Runtime:
         self.timing.add("transfer", time.perf_counter() - t0)
         return y
 
-    def _check_room(self, n: int) -> None:
+    # --- the single-context API -------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return self.seq.n_past if self.seq is not None else 0
+
+    def reset(self) -> None:
+        if self.seq is not None:
+            self.seq.free()
+
+    def _own_seq(self):
+        if self.seq is None:
+            self.seq = self.cache.new_sequence()
+        return self.seq
+
+    def _check_room(self, seq, n: int) -> None:
         if n == 0:
             raise InvalidArgumentError("no tokens to evaluate")
-        if self.n_past + n > self.n_ctx:
+        if seq.n_past + n > self.n_ctx:
             raise ContextFullError(
-                f"context full: {self.n_past} tokens in context + {n} new > n_ctx {self.n_ctx}; "
+                f"context full: {seq.n_past} tokens in context + {n} new > n_ctx {self.n_ctx}; "
                 "start a new context (reset) or load with a larger n_ctx"
             )
+        if not seq.grow(n):
+            raise KVCacheFullError(
+                f"the KV cache has no free blocks for {n} more tokens (other sequences hold them); "
+                "wait for them to finish or load with a larger kv_size"
+            )
+
+    def _run(self, seq, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        return self.forward([(seq, ids)], rows=None if all_logits else [len(ids) - 1])
 
     def eval(self, tokens) -> np.ndarray:
         """Append tokens (prefill in batches of n_batch); float32 (n_vocab,) logits after the last."""
         ids = self._ids(tokens)
-        self._check_room(len(ids))
+        seq = self._own_seq()
+        self._check_room(seq, len(ids))
         logits = None
         for i in range(0, len(ids), self.n_batch):
-            logits = self._step(ids[i : i + self.n_batch], all_logits=False)
+            logits = self._run(seq, ids[i : i + self.n_batch], all_logits=False)
         if len(ids) > 1 or self._decode_checks < 2:  # a kernel warm_up did not foresee
             self._decode_checks += len(ids) == 1
             self._release_compiler()
@@ -187,14 +217,15 @@ class Runtime:
         """Fresh context; float32 (n_tok, n_vocab) logits at every position."""
         ids = self._ids(tokens)
         self.reset()
-        self._check_room(len(ids))
+        seq = self._own_seq()
+        self._check_room(seq, len(ids))
         if len(ids) <= self.n_batch:  # one batch: its logits are the answer, no copy
-            logits = self._step(ids, all_logits=True)
+            logits = self._run(seq, ids, all_logits=True)
             self._release_compiler()
             return logits
         out = np.empty((len(ids), self.cfg.n_vocab), dtype=np.float32)
         for i in range(0, len(ids), self.n_batch):
-            out[i : i + self.n_batch] = self._step(ids[i : i + self.n_batch], all_logits=True)
+            out[i : i + self.n_batch] = self._run(seq, ids[i : i + self.n_batch], all_logits=True)
         self._release_compiler()
         return out
 

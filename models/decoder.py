@@ -25,6 +25,9 @@ BIASES = ("attn_q", "attn_k", "attn_v")
 # than 8 tokens take the one-token order, so the last chunk is never shorter than 8 (FFN_TAIL_MIN).
 FFN_CHUNK = 128
 FFN_TAIL_MIN = 8
+# Scratch buffer sets kept per backend besides the one-token set: a step of many sequences has
+# its batch size and the number of rows that reach the output head.
+SCRATCH_SIZES = 3
 
 
 def ffn_chunks(n: int) -> list[tuple[int, int]]:
@@ -88,11 +91,12 @@ class Decoder:
 
     def scratch(self, b, n: int) -> SimpleNamespace:
         """Activation buffers of a block of n tokens on backend b, allocated once and reused by every
-        layer on b (kept for n = 1 and the latest batch size)."""
+        layer on b (kept for n = 1 and the SCRATCH_SIZES latest other sizes)."""
         key = (id(b), n)
-        s = self._scratch.get(key)
+        s = self._scratch.pop(key, None)
         if s is None:
-            for old in [k for k in self._scratch if k[0] == id(b) and k[1] != 1]:
+            kept = [k for k in self._scratch if k[0] == id(b) and k[1] != 1]
+            for old in kept[:max(0, len(kept) - SCRATCH_SIZES + 1)]:  # the least recently used go
                 del self._scratch[old]
             cfg = self.cfg
             shapes = dict(h=cfg.n_embd, q=cfg.n_head * cfg.head_dim_k, k=cfg.n_head_kv * cfg.head_dim_k,
@@ -100,15 +104,18 @@ class Decoder:
             s = self._scratch[key] = SimpleNamespace(**{name: b.empty((n, m)) for name, m in shapes.items()})
             rows = max(m for _, m in ffn_chunks(n))
             s.gate, s.up = (b.empty((rows, cfg.n_ff)) for _ in range(2))
+        self._scratch[key] = s  # most recently used last
         return s
 
-    def block(self, il: int, b, x, pos: np.ndarray, kv, last_only: bool = False) -> None:
-        """One transformer block on backend b, x (n_tok, n_embd) updated in place.
+    def block(self, il: int, b, x, pos: np.ndarray, kv, rows=None):
+        """One transformer block on backend b, x (n_tok, n_embd) updated in place; returns x, or
+        with `rows` the rows that went on.
 
-        last_only: after attention only the last row goes on (the last layer of a batch whose
-        other positions need no logits: llama.cpp's output-row selection, which also decides
-        which product kernels, so which float order, the FFN runs with); the other rows of x
-        are left as they were after attention's input.
+        rows: after attention only these rows of x go on (the last layer of a batch whose other
+        positions need no logits: llama.cpp's output-row selection, which also decides which
+        product kernels, so which float order, the FFN runs with): None for all, a slice (the last
+        row: `slice(n - 1, n)`) or an index array. The block then returns those rows of x (a view
+        for a slice, a new array for indices), updated.
 
         Backends may offer fused ops (CPUBackend does): `linear_many` (products sharing an input),
         `qkv_attention` (biases, QK-norm, RoPE, cache store, attention) and `add_rms_norm`
@@ -123,7 +130,7 @@ class Decoder:
         if n == 1 and decode_block is not None and decode_block(
                 L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale, neox=self.ROPE_NEOX,
                 scale=att_scale, gelu=self.ACTIVATION == "gelu", q_scale=q_scale):
-            return  # the backend ran the whole block in one fused call
+            return x  # the backend ran the whole block in one fused call
         add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
         qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
         linear_many = getattr(b, "linear_many", None) or partial(_linear_many_by_ops, b)
@@ -141,8 +148,10 @@ class Decoder:
         # output projection, (post-norm,) residual connection back into x, ffn rmsnorm
         b.linear(L.attn_output, s.a, s.o)
         o = s.o
-        if last_only and n > 1:
-            x, o, s = x[-1:], o[-1:], self.scratch(b, 1)
+        if rows is not None:
+            x, o = x[rows], o[rows]
+            if x.shape[0] != n:
+                s = self.scratch(b, x.shape[0])
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
         # gated FFN, FFN_CHUNK tokens at a time
         act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
@@ -153,6 +162,7 @@ class Decoder:
             b.linear(L.ffn_down, gate, s.o[i:i + m])
         # (post-norm,) residual connection
         add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
+        return x
 
     def head(self, x) -> np.ndarray:
         """Final norm and output head on the output backend; x (n, n_embd) on that backend.

@@ -196,5 +196,8 @@ def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n
     b.attention(q, kv, pos, 0.125, out)
     kc, vc = kv.kernel_arrays()
     expect = np.empty_like(out)
-    b.ops.attend_ggml(q, kc, vc, kv.pos, kv.n_used, pos, kv.window, np.float32(0.125), 1, expect, kc.dtype.type(0))
+    used = kv.n_used
+    kmap, kbeg, kend = np.arange(used), np.zeros(n_tok, np.int64), np.full(n_tok, used, np.int64)
+    b.ops.attend_ggml(q, kc, vc, kv.pos, kmap, kbeg, kend, pos, kv.window, np.float32(0.125), 1, expect,
+                      kc.dtype.type(0))
     np.testing.assert_array_equal(out, expect)

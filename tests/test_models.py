@@ -126,16 +126,21 @@ def test_fused_decode_block_is_the_unfused_ops_bit_for_bit(synthetic, arch, qtyp
     np.testing.assert_array_equal(a, b)
 
 
-def test_sliding_window_ring_cache(synthetic):
-    """gemma3 with a window of 8: the ring cache of window + n_batch slots must equal a full cache
-    that masks by position."""
+def test_sliding_window_keeps_only_the_window(synthetic):
+    """gemma3 with a window of 8: the sliding layers' pool holds one sequence's window + a batch
+    (blocks falling out of the window go back), and gives what a full-size pool gives."""
+    from edgellm.kv_cache import BLOCK_SIZE, blocks_per_sequence
+
     path = synthetic("gemma3", sliding_window=8)
-    rt = runtime(path, {"cpu": ReferenceBackend()}, n_ctx=64, n_batch=4)
+    rt = runtime(path, {"cpu": ReferenceBackend()}, n_ctx=128, n_batch=4)
     swa = [il for il, s in enumerate(rt.cfg.swa_layers) if s]
-    assert swa and all(rt.kv[il].size == 8 + 4 for il in swa)
+    gi = rt.cache.group_of[swa[0]]
+    assert swa and rt.cache.groups[gi].window == 8
+    assert rt.cache.groups[gi].pool.n_blocks == blocks_per_sequence(8, 128, 4) < 128 // BLOCK_SIZE
+    assert all(rt.kv[il].k.shape[0] == rt.cache.groups[gi].pool.n_blocks * BLOCK_SIZE for il in swa)
     ring = rt.logits(TOKENS * 2)
+    assert rt.seq.tables[gi][0] is None  # positions 0-15 are out of every later query's window
     rt_full = runtime(path, {"cpu": ReferenceBackend()}, n_ctx=64, n_batch=64)
-    assert all(rt_full.kv[il].size == 64 for il in swa)  # min(n_ctx, window + n_batch)
     full = rt_full.logits(TOKENS * 2)
     np.testing.assert_allclose(ring, full, rtol=1e-4, atol=1e-4 * np.abs(full).max())
     # and the window matters: without it the logits differ after position 8

@@ -89,12 +89,13 @@ def _quantize(x, a32, ak, need32, needk):
 def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
                  attn_norm, post_attn_norm, ffn_norm, post_ffw_norm, q_norm, k_norm, bq, bk, bv,
                  wq, wk, wv, wo, wg, wu, wd, tids,
-                 eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, used, window, scale,
+                 eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, kmap, kbeg, kend, window, scale,
                  gelu, gelu_table, q_scale):
     """One token through one block, in place on x (1, n_embd). q (1, n_head, hd), k / v
     (1, n_kv, hd), att (1, n_head * hd_v), o / h (1, n_embd), gate / up (1, n_ff): scratch.
     a32 / ak: activation buffers (q8_32 and q8_k parts) for the widest input. tids: the types of
-    wq, wk, wv, wo, wg, wu, wd. Norms and biases of size 0 are absent. Returns nothing."""
+    wq, wk, wv, wo, wg, wu, wd. Norms and biases of size 0 are absent. The token's K and V go to
+    cache slot slots[0]; it attends to the slots kmap[kbeg[0]:kend[0]]. Returns nothing."""
     n_embd = x.shape[1]
     # attention: norm, q/k/v rows in one parallel loop
     rms_norm(x, attn_norm, eps, h)
@@ -111,8 +112,8 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
             _rows(tids[1], wk, c - cq, kf, a32, ak, n_in_qkv)
         else:
             _rows(tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv)
-    prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, q_scale)
-    attend_ggml(q, kc, vc, kpos, used, pos, window, scale, 4, att, kc[0, 0, 0])
+    prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, q_scale)
+    attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, att, kc[0, 0, 0])
     # output projection, residual, ffn norm
     n_att = att.shape[1]
     _quantize(att[0], a32, ak, not _is_k(tids[3]), _is_k(tids[3]))

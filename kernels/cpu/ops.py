@@ -186,10 +186,10 @@ def cos_sin(theta, cos, sin):
 
 
 @njit(cache=True, nogil=True)
-def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, size, q_scale):
+def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, q_scale):
     """Everything between the q/k/v projections and attention, in place on q (n_tok, n_head, hd),
     k (n_tok, n_kv, hd), v (n_tok, n_kv, hd_v): + biases, QK-norm per head, RoPE, q * q_scale
-    (float32; 1: none); then k, v into the cache kc, vc (size, n_kv, hd) at slot pos % size,
+    (float32; 1: none); then k, v into the cache kc, vc (n_slots, n_kv, hd) at slots[t],
     kpos[slot] = pos. Empty arrays skip a step."""
     n_tok, n_head, hd = q.shape
     n_kv = k.shape[1]
@@ -222,7 +222,7 @@ def prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, 
                     q[t, h, d] *= q_scale
     z = kc[0, 0, 0]
     for t in range(n_tok):
-        slot = pos[t] % size
+        slot = slots[t]
         kpos[slot] = pos[t]
         for h in range(n_kv):
             for d in range(hd):
@@ -274,13 +274,14 @@ def _lanes_reduce(acc, n_acc):
     return (t0 + t2) + (t1 + t3)
 
 
-def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
+def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_acc, out, z):
     """Attention as `attend` computes it, with every sum in ggml's order: n_acc = 4 for a single
     token (vec_dot_f16), 1 for a batch (tinyBLAS). hd and hd_v must be multiples of 8. Keys a
     query may not see are skipped: their score is -inf and their probability 0 in ggml too, and
     adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
-    let the 8-lane loops vectorize. kc, vc: the cache; z: a value of the cache's element type,
-    the type q and the probabilities are rounded to. Decode runs this (n_acc = 4); a batch runs
+    let the 8-lane loops vectorize. kc, vc: the cache (n_slots, n_kv, hd); token t attends to the
+    keys in slots kmap[kbeg[t]:kend[t]] (in position order; key j of that list is the j-th term of
+    its sums); z: a value of the cache's element type, the type q and the probabilities are rounded to. Decode runs this (n_acc = 4); a batch runs
     attend_batch, which gives what this gives with n_acc = 1, faster."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
@@ -288,7 +289,9 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
     g = n_head // n_kv
     kf = kc.reshape(-1)
     vf = vc.reshape(-1)
-    n_pad = (used + 7) // 8 * 8
+    n_pad = 8
+    for t in range(n_tok):
+        n_pad = max(n_pad, (kend[t] - kbeg[t] + 7) // 8 * 8)
     uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
     lane_groups = U(n_acc)  # accumulators of 8 lanes: element i goes to group (i / 8) % n_acc
     n_lanes = lane_groups * U(8)
@@ -306,15 +309,19 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
             h = th - t * n_head
             kh = U(h // g)
             p = pos[t]
+            k0 = kbeg[t]
+            used = kend[t] - k0
+            n_vis = (used + 7) // 8 * 8
             for d in range(hd):
                 qr[d] = _load(_store(q[t, h, d], z))
             m = NEG_INF
             for j in range(used):
-                kp = kpos[j]
+                slot = kmap[k0 + j]
+                kp = kpos[slot]
                 if kp < 0 or kp > p or (window > 0 and p - kp >= window):
                     s[j] = NEG_INF
                     continue
-                base = (U(j) * unkv + kh) * uhd
+                base = (U(slot) * unkv + kh) * uhd
                 if n_acc == 4:
                     v = dot_f16(kf, base, qr, U(0), uhd, 4) * scale
                 else:
@@ -322,10 +329,10 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
                 s[j] = v
                 if v > m:
                     m = v
-            for j in range(used, n_pad):
+            for j in range(used, n_vis):
                 s[j] = NEG_INF
             total = 0.0
-            for c in range(0, n_pad, 8):
+            for c in range(0, n_vis, 8):
                 for i in range(8):
                     e = expf_ggml(s[c + i] - m) if s[c + i] != NEG_INF else F32(0.0)
                     acc[i] = e
@@ -337,7 +344,7 @@ def _attend_ggml_rows(q, kc, vc, kpos, used, pos, window, scale, n_acc, out, z):
                 if s[j] == F32(0.0):
                     continue
                 pj = _load(_store(s[j] * inv, z))
-                axpy_f16(vf, (U(j) * unkv + kh) * uhdv, pj, accv, (U(j) % n_lanes) * uhdv, uhdv)
+                axpy_f16(vf, (U(kmap[k0 + j]) * unkv + kh) * uhdv, pj, accv, (U(j) % n_lanes) * uhdv, uhdv)
             ob = U(h) * uhdv
             for d in range(uhdv):
                 for li in range(n_lanes):

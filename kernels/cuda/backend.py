@@ -273,38 +273,58 @@ class CudaBackend:
                      (x, pos_d, np.int32(n_rot), theta_scale, F32(freq_scale), np.int32(bool(neox)), ff,
                       np.int32(has_ff), np.int64(x.strides[0] // 4), np.int64(x.strides[1] // 4)))
 
-    def kv_store(self, kv: CudaKVLayer, k, v, pos: np.ndarray) -> None:
-        """Write k (n_tok, n_kv_head, head_dim_k), v at positions pos into their slots (pos % size)."""
+    def kv_array(self, shape, dtype):
+        """A paged KV cache array (edgellm/kv_cache.py) in VRAM."""
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def kv_store(self, kv, k, v, pos: np.ndarray) -> None:
+        """Write k (n_tok, n_kv_head, head_dim_k), v at positions pos into their slots (a ring's
+        pos % size, or the paged cache's step layout)."""
         slots = kv.slots(np.asarray(pos))
         slots_d = self.cp.asarray(slots.astype(np.int64))
         kv.k[slots_d] = k.astype(kv.k.dtype, copy=False)  # rounded to nearest, like numpy's astype
         kv.v[slots_d] = v.astype(kv.v.dtype, copy=False)
         kv.pos[slots] = pos
-        kv.pos_device[slots_d] = self.cp.asarray(np.asarray(pos, dtype=np.int32))
-        kv.n_used = max(kv.n_used, int(slots.max()) + 1)
+        if isinstance(kv, CudaKVLayer):
+            kv.pos_device[slots_d] = self.cp.asarray(np.asarray(pos, dtype=np.int32))
+            kv.n_used = max(kv.n_used, int(slots.max()) + 1)
 
-    def attention(self, q, kv: CudaKVLayer, pos, scale: float, out) -> None:
+    def attention(self, q, kv, pos, scale: float, out) -> None:
         """Causal (and sliding-window) attention of q (n_tok, n_head, hd_k) at positions pos over the
-        cache; out (n_tok, n_head * hd_v). See attention.cu."""
+        cache; out (n_tok, n_head * hd_v). See attention.cu. A paged cache's key lists are gathered
+        per sequence into contiguous arrays for the kernel (a token alone, or a prompt chunk)."""
+        if isinstance(kv, CudaKVLayer):
+            return self._attend(q, kv.k, kv.v, kv.pos_device, kv.n_used, pos, kv.window, scale, out)
+        from edgellm.backend_cpu import attention_layout
+
+        kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
+        for t0, t1 in [(t, t + 1) for t in range(n_single)] + list(chunks):
+            keys = kmap[kbeg[t0]:kend[t0]]
+            keys_d = self.cp.asarray(keys)
+            kpos_d = self.cp.asarray(kv.pos[keys].astype(np.int32))
+            self._attend(q[t0:t1], kv.k[keys_d], kv.v[keys_d], kpos_d, len(keys), pos[t0:t1], kv.window, scale,
+                         out[t0:t1])
+
+    def _attend(self, q, k, v, kpos_d, used: int, pos, window: int, scale: float, out) -> None:
         n_tok, n_head, hd_k = q.shape
-        n_kv_head, hd_v = kv.k.shape[1], kv.v.shape[2]
+        n_kv_head, hd_v = k.shape[1], v.shape[2]
         if n_head % n_kv_head:
             raise InvalidArgumentError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv_head}")
         if max(hd_k, hd_v) > ATTN_MAX_HEAD_DIM:
             raise InvalidArgumentError(f"head_dim {max(hd_k, hd_v)} > {ATTN_MAX_HEAD_DIM} is not supported on the GPU")
         _check_shape("attention out", out, (n_tok, n_head * hd_v))
         self._require_contiguous("attention out", out)
-        if kv.k.dtype == self.cp.float16:
+        if k.dtype == self.cp.float16:
             name = "attention_f16kv"
-        elif kv.k.dtype == self.cp.float32:
+        elif k.dtype == self.cp.float32:
             name = "attention_f32kv"
         else:
-            raise InvalidArgumentError(f"KV cache dtype {kv.k.dtype} is not supported on the GPU (f16, f32)")
+            raise InvalidArgumentError(f"KV cache dtype {k.dtype} is not supported on the GPU (f16, f32)")
         q = self._contiguous(q)
         pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32))
         self._launch("attention", name, (n_head, n_tok), (ATTN_THREADS,),
-                     (q, pos_d, kv.k, kv.v, kv.pos_device, np.int32(kv.n_used), out, np.int32(n_head),
-                      np.int32(n_kv_head), np.int32(hd_k), np.int32(hd_v), F32(scale), np.int32(kv.window or 0)))
+                     (q, pos_d, k, v, kpos_d, np.int32(used), out, np.int32(n_head),
+                      np.int32(n_kv_head), np.int32(hd_k), np.int32(hd_v), F32(scale), np.int32(window or 0)))
 
     # --- element-wise ---------------------------------------------------------------------------
     def _elementwise(self, name: str, args_arrays, out, *scalars) -> None:

@@ -1,0 +1,315 @@
+"""Many sequences on one model: the engine thread and its scheduler (continuous batching).
+
+Requests arrive from any thread (`Engine.submit`) and wait in a queue. One engine thread runs steps:
+each step takes one decode token from every running sequence, fills the rest of the token budget
+(`n_batch`) with prompt chunks — of sequences admitted earlier, then of waiting requests while fewer
+than `n_seq` run — and runs them as one ragged batch (`Runtime.forward`). A sequence that finishes
+frees its slot at once, and a waiting request takes it in the next step ("continuous"; the "static"
+policy admits a new batch only when the whole previous one has finished, for comparison).
+
+A new request first takes the longest cached prefix of its prompt from the KV cache (its own
+earlier turns, or a shared system prompt) and evaluates only the rest. When the pool has no block
+for a running sequence's next token, the newest sequence is preempted: its blocks go back (the full
+ones stay cached, so its recomputation is mostly a prefix hit) and it waits at the head of the
+queue with its prompt and the tokens generated so far as its new prompt.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+
+import numpy as np
+
+from edgellm.errors import ContextFullError, InvalidArgumentError, KVCacheFullError
+from edgellm.generate import _END, Request, SeqStream, Stats, logprobs_of, now
+
+POLICIES = ("continuous", "static")
+
+
+class SeqState:
+    """A request inside the engine: its tokens, sampler, stream and KV blocks."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ids: list[int], sampler, stream: SeqStream, logprobs: int | None, stats: Stats):
+        self.id = next(self._ids)
+        self.prompt = list(ids)  # what must be in the cache before sampling: the prompt, and after a
+        self.sampler = sampler  # preemption the tokens generated so far too
+        self.history = list(ids)  # for the repetition penalty
+        self.stream = stream
+        self.logprobs = logprobs
+        self.stats = stats
+        self.kv = None  # SeqKV while admitted
+        self.n_done = 0  # tokens of `prompt` in the cache
+        self.next_token: int | None = None  # sampled, to be evaluated next step
+        self.cancelled = False
+        self.finished = False
+        self.request: Request | None = None
+        self.t_submit = now()
+        self.t_admit = 0.0
+        self.t_first = 0.0
+        self.decode_steps = 0
+        self.device_s: dict[str, float] = {}
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_done < len(self.prompt)
+
+
+class Engine:
+    def __init__(self, runtime, tokenizer, *, n_seq: int, n_batch: int, n_ctx: int, policy: str = "continuous",
+                 lock: threading.RLock | None = None):
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.n_seq = n_seq
+        self.n_batch = n_batch
+        self.n_ctx = n_ctx
+        self.policy = policy
+        self.lock = lock or threading.RLock()  # held while a step runs (the runtime is not reentrant)
+        self._cv = threading.Condition()  # guards the queues below
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.counters = dict(requests=0, finished=0, cancelled=0, preemptions=0, prompt_tokens=0,
+                             cached_tokens=0, gen_tokens=0, steps=0)
+
+    # --- the callers' side -------------------------------------------------------------------------
+    def submit(self, ids: list[int], sampler, stream: SeqStream, logprobs: int | None = None) -> Request:
+        if len(ids) >= self.n_ctx:
+            raise ContextFullError(f"the prompt is {len(ids)} tokens but the context holds {self.n_ctx}; "
+                                   "shorten the prompt or load with a larger n_ctx (-c)")
+        cache = self.runtime.cache
+        for g in cache.groups:
+            need = -(-min(len(ids) + 1, self.n_ctx) // cache.block_size)
+            if g.window == 0 and need > g.pool.n_blocks:
+                raise KVCacheFullError(f"the prompt needs {need} KV blocks but the cache has {g.pool.n_blocks}; "
+                                       "load with a larger kv_size")
+        if self._closed:
+            raise InvalidArgumentError("the model is closed")
+        state = SeqState(ids, sampler, stream, logprobs, Stats(prompt_tokens=len(ids), n_ctx=self.n_ctx))
+        req = state.request = Request(self, state)
+        with self._cv:
+            self.waiting.append(state)
+            self.counters["requests"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="edgellm-engine", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return req
+
+    def cancel(self, state: SeqState) -> None:
+        with self._cv:
+            state.cancelled = True
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def stats(self) -> dict:
+        counts = self.runtime.cache.block_counts()
+        with self._cv:
+            return dict(running=len(self.running), waiting=len(self.waiting), n_seq=self.n_seq, policy=self.policy,
+                        kv_blocks_total=counts["total"], kv_blocks_used=counts["used"],
+                        kv_blocks_cached=counts["cached"], kv_blocks_free=counts["free"],
+                        kv_block_size=self.runtime.cache.block_size, preemptions=self.counters["preemptions"],
+                        requests_total=self.counters["requests"], requests_finished=self.counters["finished"],
+                        requests_cancelled=self.counters["cancelled"],
+                        prompt_tokens_total=self.counters["prompt_tokens"],
+                        cached_tokens_total=self.counters["cached_tokens"],
+                        gen_tokens_total=self.counters["gen_tokens"], steps=self.counters["steps"])
+
+    # --- the engine thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self.waiting or self.running or self._closed):
+                    self._cv.wait()
+                if self._closed and not self.running and not self.waiting:
+                    return
+            try:
+                with self.lock:
+                    self.step()
+            except BaseException as e:  # a failed step fails its sequences, not the engine
+                self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        with self._cv:
+            victims = self.running + list(self.waiting)
+            self.running, self.waiting = [], deque()
+        for s in victims:
+            self._release(s)
+            s.request._put(e)
+
+    def _release(self, s: SeqState) -> None:
+        if s.kv is not None:
+            s.kv.free()
+            s.kv = None
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            gone = [s for s in self.running if s.cancelled] + [s for s in self.waiting if s.cancelled]
+            self.running = [s for s in self.running if not s.cancelled]
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            if self._closed:
+                gone += self.running + list(self.waiting)
+                self.running, self.waiting = [], deque()
+        for s in gone:
+            self._release(s)
+            s.stats.finish_reason = s.stats.finish_reason or "cancelled"
+            self.counters["cancelled"] += 1
+            s.request._put(_END)
+
+    def _preempt(self) -> bool:
+        """Free the newest running sequence's blocks and send it back to the head of the queue."""
+        with self._cv:
+            if not self.running:
+                return False
+            victim = max(self.running, key=lambda s: s.t_admit)
+            self.running.remove(victim)
+            self._release(victim)
+            if victim.next_token is not None:  # sampled and emitted, not yet evaluated: recompute it too
+                victim.prompt = victim.prompt[:victim.n_done] + [victim.next_token]
+                victim.next_token = None
+            victim.n_done = 0
+            victim.stats.preemptions += 1
+            self.counters["preemptions"] += 1
+            self.waiting.appendleft(victim)
+        return True
+
+    def _admit(self, s: SeqState) -> bool:
+        """Give s a sequence in the cache with its cached prefix; False if the pool cannot hold
+        its first chunk now."""
+        cache = self.runtime.cache
+        s.kv = cache.new_sequence()
+        cached = s.kv.reuse_prefix(s.prompt)
+        s.n_done = cached
+        if not s.kv.can_grow(min(len(s.prompt) - cached, self.n_batch)):
+            self._release(s)
+            return False
+        if s.t_admit == 0.0:
+            s.stats.cached_tokens = cached
+            s.stats.queue_ms = 1000 * (now() - s.t_submit)
+            self.counters["cached_tokens"] += cached
+        s.t_admit = now()
+        return True
+
+    def _schedule(self):
+        """(entries, rows, sequences per entry) for the next step: decode tokens first, then
+        prompt chunks, within n_batch tokens."""
+        budget = self.n_batch
+        singles, chunks = [], []  # (state, token ids)
+        # 1. one token for every decoding sequence (oldest first; preempt the newest if short)
+        for s in sorted(self.running, key=lambda s: s.t_admit):
+            if s.prefilling or s not in self.running:
+                continue
+            while s in self.running and not s.kv.grow(1):
+                self._preempt()
+            if s in self.running:
+                singles.append((s, [s.next_token]))
+                budget -= 1
+        # 2. prompt chunks of admitted sequences, then new admissions
+        for s in sorted(self.running, key=lambda s: s.t_admit):
+            if budget <= 0:
+                break
+            if s.prefilling:
+                n = min(len(s.prompt) - s.n_done, budget)
+                if s.kv.grow(n):
+                    (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
+                    budget -= n
+        admit_ok = self.policy == "continuous" or not self.running
+        while budget > 0 and admit_ok:
+            with self._cv:
+                if not self.waiting or len(self.running) >= self.n_seq:
+                    break
+                s = self.waiting[0]
+            if not self._admit(s):
+                break
+            with self._cv:
+                self.waiting.popleft()
+                self.running.append(s)
+            n = min(len(s.prompt) - s.n_done, budget)
+            s.kv.grow(n)
+            (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
+            budget -= n
+        return singles + chunks
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        work = self._schedule()
+        if not work:
+            return
+        entries, rows, samplers = [], [], []
+        t = 0
+        for s, toks in work:
+            entries.append((s.kv, np.asarray(toks, np.int64)))
+            t += len(toks)
+            decoding = not s.prefilling
+            if decoding or s.n_done + len(toks) == len(s.prompt):
+                rows.append(t - 1)
+                samplers.append(s)
+        timing = self.runtime.timing
+        before = dict(timing.seconds)
+        logits = self.runtime.forward(entries, rows=rows)
+        step_s = {d: timing.seconds.get(d, 0.0) - before.get(d, 0.0) for d in timing.seconds}
+        self.counters["steps"] += 1
+        for s, toks in work:
+            if s.prefilling:
+                s.n_done += len(toks)
+                self.counters["prompt_tokens"] += len(toks)
+            else:
+                s.n_done += 1
+                s.prompt.append(s.next_token)
+                s.next_token = None
+                s.decode_steps += 1
+                for d, sec in step_s.items():
+                    s.device_s[d] = s.device_s.get(d, 0.0) + sec
+        for i, s in enumerate(samplers):
+            self._sample(s, logits[i])
+        self.runtime._release_compiler()
+
+    def _sample(self, s: SeqState, logits: np.ndarray) -> None:
+        tok = s.sampler(logits, s.history)
+        t = now()
+        st = s.stats
+        n_past = s.kv.n_past
+        if s.stream.n == 0:
+            s.t_first = t
+            st.ttft_s = t - s.t_submit
+            st.prompt_ms = 1000 * (t - s.t_admit)
+            evaluated = st.prompt_tokens - st.cached_tokens
+            st.prompt_tps = evaluated / max(t - s.t_admit, 1e-9)
+        chunk = s.stream.push(tok, n_past)
+        if s.logprobs is not None:
+            lp, top = logprobs_of(logits, tok, s.logprobs)
+            from dataclasses import replace
+
+            chunk = replace(chunk, logprob=lp, top_logprobs=top)
+        st.gen_tokens = s.stream.n
+        self.counters["gen_tokens"] += 1
+        if st.gen_tokens > 1:
+            st.gen_ms = 1000 * (t - s.t_first)
+            st.tpot_ms = st.gen_ms / (st.gen_tokens - 1)
+            st.gen_tps = (st.gen_tokens - 1) / max(t - s.t_first, 1e-9)
+        if s.decode_steps:
+            st.device_ms = {d: 1000 * sec / s.decode_steps for d, sec in s.device_s.items()}
+        st.n_past = n_past
+        s.history.append(tok)
+        if chunk.finish_reason is not None:
+            st.finish_reason = chunk.finish_reason
+            with self._cv:
+                if s in self.running:
+                    self.running.remove(s)
+            self._release(s)
+            self.counters["finished"] += 1
+            s.request._put(chunk)
+            return
+        s.next_token = tok
+        s.request._put(chunk)
