@@ -62,6 +62,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _quiet_exit(server_class):
+    """uvicorn's Server, except that SIGINT / SIGTERM end it with exit code 0: after its graceful
+    shutdown uvicorn raises the caught signal again, which would exit 130 / -15."""
+
+    class Server(server_class):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
+
+
 def run(args) -> int:
     _check(args)
     try:
@@ -87,7 +101,7 @@ def run(args) -> int:
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)
     config = uvicorn.Config(build_app(server), log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, timeout_graceful_shutdown=10, lifespan="off")
-    userver = uvicorn.Server(config)
+    userver = _quiet_exit(uvicorn.Server)(config)
     shown = "[" + host + "]" if ":" in host else host
     print(f"edgellm serve: loading {path.name}; listening on http://{shown}:{port} (/health is 503 until loaded)",
           file=sys.stderr, flush=True)

@@ -111,11 +111,12 @@ def _token_text(tk, tok: int) -> str:
 
 
 def map_error(exc: BaseException) -> APIError:
-    from edgellm.errors import ContextFullError, EdgeLLMError, InvalidArgumentError, TemplateError, TokenizerError
+    from edgellm.errors import (ContextFullError, EdgeLLMError, InvalidArgumentError, KVCacheFullError, TemplateError,
+                                TokenizerError)
 
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ContextFullError):
+    if isinstance(exc, (ContextFullError, KVCacheFullError)):  # a prompt longer than a sequence may hold
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, (InvalidArgumentError, TemplateError, TokenizerError)):
         return APIError(400, str(exc), code="invalid_value")
