@@ -131,7 +131,7 @@ def start(kind: str, args, clients: int) -> tuple[subprocess.Popen, str, str]:
     port = free_port()
     if kind == "edgellm":
         cmd = [sys.executable, "-m", "edgellm.cli", "serve", args.model, "--port", str(port), "-np", str(clients),
-               "-c", str(args.ctx), "-t", str(args.threads), "--alias", "bench"]
+               "-c", str(args.ctx), "--kv-size", str(args.ctx), "-t", str(args.threads), "--alias", "bench"]
         env = os.environ
     else:
         binary = Path(args.llama_server)
@@ -199,7 +199,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens per request")
-    ap.add_argument("-c", "--ctx", type=int, default=8192)
+    ap.add_argument("-c", "--ctx", type=int, default=8192,
+                    help="KV cache tokens: llama-server -c (split among its slots); edgellm --kv-size (a shared "
+                         "pool; each sequence may use up to all of it)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama-server from PATH")
     ap.add_argument("--no-edgellm", action="store_true", help="only llama-server")

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences generated at once (default 4)")
     p.add_argument("--queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a sequence; more get 503 (default 64)")
+    p.add_argument("--kv-size", type=int, default=None, metavar="N",
+                   help="KV cache pool in tokens, shared by the sequences (default: -np x -c)")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size (default 512)")
     p.add_argument("-ctk", "--cache-type-k", choices=KV_TYPES, default="f16", metavar="TYPE",
                    help=f"KV cache type: {', '.join(KV_TYPES)} (default f16)")
@@ -41,7 +43,7 @@ def _check(args) -> None:
     if args.cache_type_v is not None and args.cache_type_v != args.cache_type_k:
         raise InvalidArgumentError("-ctk and -ctv must name the same type (the KV cache has one element type)")
     for flag, v, lo in (("--parallel", args.parallel, 1), ("--queue", args.queue, 0), ("--ctx", args.ctx, 1),
-                        ("--port", args.port, 0)):
+                        ("--port", args.port, 0), ("--kv-size", args.kv_size or 1, 1)):
         if v < lo:
             raise InvalidArgumentError(f"{flag} must be >= {lo}, got {v}")
     if args.port > 65535:
@@ -95,7 +97,7 @@ def run(args) -> int:
     def load():
         return edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                             threads=args.threads, vram=args.vram, kv_type=args.cache_type_k, n_seq=args.parallel,
-                            quiet=False)
+                            kv_size=args.kv_size, quiet=False)
 
     engine = Engine(load, queue=args.queue)
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)
