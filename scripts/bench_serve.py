@@ -181,8 +181,8 @@ def soak(args) -> int:
         proc.terminate()
         proc.wait(30)
     leaks = {k: g.get(k) for k in ("edgellm_requests_running", "edgellm_requests_waiting")}
-    used, cached = g.get("edgellm_kv_blocks_used"), g.get("edgellm_kv_blocks_cached")
-    ok = not any(leaks.values()) and used == cached and row["errors"] == 0 and abs(rss1 / rss0 - 1) <= 0.05
+    used, cached = g.get("edgellm_kv_blocks_used"), g.get("edgellm_kv_blocks_cached")  # used: held by a sequence
+    ok = not any(leaks.values()) and used == 0 and row["errors"] == 0 and abs(rss1 / rss0 - 1) <= 0.05
     print(f"soak: {row['requests'] + row['dropped']} requests ({row['dropped']} dropped), {row['errors']} errors, "
           f"{clients} clients; after: running {leaks['edgellm_requests_running']}, waiting "
           f"{leaks['edgellm_requests_waiting']}, KV blocks used {used} / cached {cached}; RSS "

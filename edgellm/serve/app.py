@@ -226,7 +226,7 @@ class Server:
                                     want_lp)
             lp = P.completion_logprobs(pieces, offset) if want_lp and pieces else None
             offset += len(text)
-            return P.completion_body(rid, created, self.name, text, finish, lp, chunk=True)
+            return P.completion_body(rid, created, self.name, text, finish, lp)
 
         try:
             if chat:

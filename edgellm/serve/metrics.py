@@ -20,11 +20,13 @@ ENGINE_METRICS = {
     "waiting": ("requests_waiting", "gauge", "Requests waiting for a slot."),
     "n_seq": ("slots_total", "gauge", "Sequences the engine runs at once (-np)."),
     "kv_blocks_total": ("kv_blocks_total", "gauge", "KV cache blocks in the pool."),
-    "kv_blocks_used": ("kv_blocks_used", "gauge", "KV cache blocks held by sequences or the prefix cache."),
-    "kv_blocks_cached": ("kv_blocks_cached", "gauge", "KV cache blocks kept for prefix reuse and not held."),
+    "kv_blocks_used": ("kv_blocks_used", "gauge", "KV cache blocks held by sequences."),
+    "kv_blocks_cached": ("kv_blocks_cached", "gauge", "KV cache blocks no sequence holds, kept for prefix reuse."),
+    "kv_blocks_free": ("kv_blocks_free", "gauge", "KV cache blocks neither held nor cached."),
     "preemptions": ("preemptions_total", "counter", "Sequences preempted because the KV pool was full."),
     "prompt_tokens_total": ("prompt_tokens_total", "counter", "Prompt tokens processed."),
     "gen_tokens_total": ("generation_tokens_total", "counter", "Tokens generated."),
+    "cached_tokens_total": ("prompt_cached_tokens_total", "counter", "Prompt tokens reused from the KV cache."),
 }
 
 

@@ -299,9 +299,8 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
                          "finish_reason": finish}]}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str | None, logprobs=None,
-                    chunk: bool = False) -> dict:
-    # the legacy API names a stream chunk's object "text_completion" too
+def completion_body(rid: str, created: int, model: str, text: str, finish: str | None, logprobs=None) -> dict:
+    """A completion, or one chunk of a streamed one (the legacy API names both "text_completion")."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
