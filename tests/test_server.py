@@ -15,12 +15,10 @@ import sys
 import threading
 import time
 
+import httpx  # the 'test' extra has the server's dependencies and the clients
+import openai
 import pytest
-
-pytest.importorskip("starlette", reason="the server tests need the 'test' extra (starlette, uvicorn, openai)")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+import uvicorn
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
