@@ -35,13 +35,26 @@ KEY_ALIGN = 32  # a sliding window's key list starts at a multiple of this (4 ac
 @dataclass(frozen=True)
 class KVType:
     name: str
-    dtype: type  # element type of the cache arrays
+    dtype: type  # element type of the cache arrays (uint8 for block-quantized types)
     bytes_per_value: float  # storage per K or V value, block scales included
+    ggml_type: int | None = None  # block-quantized: the GGML type of a row of head_dim values
+
+    @property
+    def quantized(self) -> bool:
+        return self.ggml_type is not None
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one head's n values."""
+        return int(n * self.bytes_per_value)
 
 
 KV_TYPES = {
     "f16": KVType("f16", np.float16, 2.0),
     "f32": KVType("f32", np.float32, 4.0),
+    # llama.cpp's quantized caches (-ctk/-ctv q8_0 | q4_0): blocks of 32 values with an f16 scale,
+    # 2 + 32 and 2 + 16 bytes
+    "q8_0": KVType("q8_0", np.uint8, (2 + 32) / 32, 8),
+    "q4_0": KVType("q4_0", np.uint8, (2 + 16) / 32, 2),
 }
 
 
@@ -192,13 +205,22 @@ class KVCache:
             self.groups.append(KVGroup(w, layers, n, block_size))
         gi = {g.window: i for i, g in enumerate(self.groups)}
         self.group_of = [gi[w] for w in windows]
+        if kt.quantized and (cfg.head_dim_k % 32 or cfg.head_dim_v % 32):
+            raise InvalidArgumentError(f"a {kt.name} KV cache needs head sizes divisible by 32 "
+                                       f"(this model: {cfg.head_dim_k}, {cfg.head_dim_v}); use f16")
+        if kt.quantized and any(b.device != "cpu" for b in layer_backends):
+            raise InvalidArgumentError(f"a {kt.name} KV cache runs on the CPU only for now; use f16 with --gpu-layers")
         self.layers = []  # per layer: LayerKV
         for il, b in enumerate(layer_backends):
             g = self.groups[self.group_of[il]]
             n_slots = g.pool.n_blocks * block_size
-            k = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_k), kt.dtype)
-            v = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_v), kt.dtype)
-            self.layers.append(LayerKV(k, v, g.slot_pos, g.window, b.device))
+            if kt.quantized:  # each head's values as one row of blocks
+                k = b.kv_array((n_slots, cfg.n_head_kv, kt.row_bytes(cfg.head_dim_k)), kt.dtype)
+                v = b.kv_array((n_slots, cfg.n_head_kv, kt.row_bytes(cfg.head_dim_v)), kt.dtype)
+            else:
+                k = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_k), kt.dtype)
+                v = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_v), kt.dtype)
+            self.layers.append(LayerKV(k, v, g.slot_pos, g.window, b.device, kt if kt.quantized else None))
 
     # --- memory ---------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
@@ -222,8 +244,9 @@ class KVCache:
 class LayerKV:
     """One layer's K and V arrays (slots, n_kv_head, head_dim) and its group's slot positions."""
 
-    def __init__(self, k, v, slot_pos, window, device):
+    def __init__(self, k, v, slot_pos, window, device, quant: KVType | None = None):
         self.k, self.v, self.pos, self.window, self.device = k, v, slot_pos, window, device
+        self.quant = quant  # a block-quantized type: k, v hold each head's row of blocks (uint8)
         self.layout = None  # the step's StepLayout for this layer's group, set by the runtime
 
     @property

@@ -111,6 +111,12 @@ def _free_vram_cupy() -> int | None:
 
 def free_vram() -> tuple[int, str]:
     """(free bytes on the first visible GPU, where the number came from); (0, why) without one."""
+    from edgellm.kernels.cuda import emulated
+
+    if emulated():  # EDGELLM_CUDA_EMULATE=1: the CPU stand-in's device (development and CI)
+        from edgellm.kernels.cuda.emulator import cupy_standin
+
+        return cupy_standin.cuda.runtime.memGetInfo()[0], "free on the emulated GPU (EDGELLM_CUDA_EMULATE=1)"
     if importlib.util.find_spec("cupy") is None:
         return 0, "CuPy is not installed (pip install 'edgellm[cuda]')"
     index = _visible_gpu_index()

@@ -29,6 +29,9 @@ from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes
 from edgellm.memory import MiB, Budgets, format_size
 
 
+# The GPU backend's prompt products dequantize at most this many bytes of a matrix at a time
+# (kernels/cuda/backend.py DEQUANT_BUFFER_BYTES; the planner imports no CuPy code).
+GPU_DEQUANT_BYTES = 32 << 20
 # GPU runtime: the CUDA context (~300-450 MiB of device memory on a current driver with lazy module
 # loading, more on GPUs with many SMs), the cuBLAS handle and workspace (~32-64 MiB) and the rounding
 # of CuPy's memory pool. 512 MiB covers that range; it is charged only when the GPU holds a layer.
@@ -141,6 +144,17 @@ def kv_cache_bytes(config, il: int, shape: RunShape) -> int:
     return n * BLOCK_SIZE * kv_bytes_per_token(config, shape.kv_type)
 
 
+def kv_pool_groups(config, shape: RunShape) -> tuple:
+    """The KV pool per group of layers sharing a window: (window, layers, blocks, bytes)."""
+    windows = [layer_window(config, il) for il in range(config.n_layer)]
+    out = []
+    for w in sorted(set(windows)):
+        n_layers = windows.count(w)
+        blocks = pool_blocks(w, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_seq=shape.n_seq, kv_size=shape.kv_size)
+        out.append((w, n_layers, blocks, n_layers * blocks * BLOCK_SIZE * kv_bytes_per_token(config, shape.kv_type)))
+    return tuple(out)
+
+
 def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head: bool, is_host: bool,
                        n_ctx_attn: int) -> dict[str, int]:
     """Named float32 buffers of one forward step of n_tok = min(n_batch, n_ctx) tokens, in bytes.
@@ -165,16 +179,23 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             q=t * q_dim * F32,  # (n_tok, n_head, head_dim_k)
             k=t * kv_dim_k * F32,  # (n_tok, n_head_kv, head_dim_k), before it is written to the cache
             v=t * kv_dim_v * F32,  # (n_tok, n_head_kv, head_dim_v)
-            # attention scores: the GPU kernels hold (n_head, n_tok, n_ctx); the CPU kernel one row of
-            # scores and 32 lanes of head_dim_v sums per thread
-            attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) if is_host
-                         else c.n_head * t * n_ctx_attn) * F32,
+            # attention: the CPU kernel holds one row of scores and 32 lanes of head_dim_v sums per
+            # thread; on the GPU a sequence's keys and values are gathered from the paged cache
+            # (n_ctx of them, f16) for the kernel, which keeps its scores in shared memory
+            attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) * F32 if is_host
+                         else n_ctx_attn * (kv_dim_k + kv_dim_v) * 2),
             attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
             proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
             ffn_gate=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff): a prompt's FFN runs in chunks
             ffn_up=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff)
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
+    if not is_host and (runs_blocks or holds_head):
+        # a prompt's product dequantizes its matrix to float32, at most GPU_DEQUANT_BYTES at a time
+        # (a slice of rows of a larger one), and the slice's output (n_tok, rows of the slice)
+        widest_matrix = max(c.n_ff, c.n_vocab if holds_head else 0, c.n_head * c.head_dim_k) * c.n_embd
+        buffers["dequant"] = min(widest_matrix * F32, GPU_DEQUANT_BYTES)
+        buffers["dequant_out"] = t * (buffers["dequant"] // (c.n_embd * F32)) * F32
     if holds_head or is_host:
         # (rows, n_vocab): a generation step needs the logits of one row per sequence (the last
         # token of each); Model.logits() of a whole batch allocates its own n_tok rows on top
@@ -228,6 +249,7 @@ class Plan:
     gpu: Ledger
     notes: tuple[str, ...] = ()  # why the split is what it is
     remedies: tuple[str, ...] = field(default=(), compare=False)  # when it does not fit, in order
+    kv_pool: tuple = field(default=(), compare=False)  # per layer group: (window, n_layers, blocks, bytes)
 
     @property
     def fits(self) -> bool:
@@ -257,6 +279,9 @@ class Plan:
             "n_batch": self.shape.n_batch,
             "n_seq": self.shape.n_seq,
             "kv_type": self.shape.kv_type,
+            "kv_pool": {"block_size": BLOCK_SIZE,
+                        "groups": [{"window": w, "layers": n, "blocks": b, "bytes": nb}
+                                   for w, n, b, nb in self.kv_pool]},
             "devices": {name: ledger.as_dict() for name, ledger in self.devices.items()},
             "notes": list(self.notes),
             "remedies": list(self.remedies),
@@ -351,7 +376,7 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
 
     cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
     layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
-    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes))
+    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape))
     if not result.fits:
         result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs)))
         if check:

@@ -86,6 +86,8 @@ class Runtime:
                 w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
                 kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
         dtype = self.kv[0].k.dtype if self.kv else np.float16
+        if self.kv and self.kv[0].quant is not None:
+            dtype = np.float32  # a quantized cache's attention runs the float32 kernels
         runs = [(9, False), (9, True), (1, False)] + ([(3, False)] if self.n_seq > 1 else [])
         for il in kinds.values():
             window = cfg.sliding_window if cfg.swa_layers[il] else 0
@@ -152,11 +154,14 @@ class Runtime:
         if last < 0 and rows is not None:
             x = x[rows]
         ob = self.model.output_backend
-        if ob is not cur:
-            x = self._cross(x, cur, ob)
-        t0 = time.perf_counter()
-        logits = self.model.head(x)
-        timing.add(ob.device, time.perf_counter() - t0)
+        if x.shape[0] == 0:  # no logits wanted (a prompt chunk that does not end its prompt)
+            logits = np.empty((0, self.cfg.n_vocab), np.float32)
+        else:
+            if ob is not cur:
+                x = self._cross(x, cur, ob)
+            t0 = time.perf_counter()
+            logits = self.model.head(x)
+            timing.add(ob.device, time.perf_counter() - t0)
         timing.tokens += n
         for seq, t in entries:
             seq.commit(t)

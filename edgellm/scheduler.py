@@ -25,6 +25,7 @@ from edgellm.errors import ContextFullError, InvalidArgumentError, KVCacheFullEr
 from edgellm.generate import _END, Request, SeqStream, Stats, logprobs_of, now
 
 POLICIES = ("continuous", "static")
+IDLE_S = 2.0  # the engine thread ends after this long without work
 
 
 class SeqState:
@@ -109,9 +110,10 @@ class Engine:
     def close(self) -> None:
         with self._cv:
             self._closed = True
+            thread = self._thread
             self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
 
     def stats(self) -> dict:
         counts = self.runtime.cache.block_counts()
@@ -128,11 +130,14 @@ class Engine:
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Steps while there is work; the thread ends after IDLE_S without any (so an unused model
+        holds no thread, and a dropped one can be freed), and submit starts a new one."""
         while True:
             with self._cv:
-                while not (self.waiting or self.running or self._closed):
-                    self._cv.wait()
-                if self._closed and not self.running and not self.waiting:
+                if not (self.waiting or self.running or self._closed):
+                    self._cv.wait(IDLE_S)
+                if not (self.waiting or self.running):
+                    self._thread = None
                     return
             try:
                 with self.lock:

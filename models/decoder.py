@@ -150,6 +150,8 @@ class Decoder:
         o = s.o
         if rows is not None:
             x, o = x[rows], o[rows]
+            if x.shape[0] == 0:  # no row goes on (a prompt chunk that is not a prompt's end)
+                return x
             if x.shape[0] != n:
                 s = self.scratch(b, x.shape[0])
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)

@@ -47,6 +47,12 @@ def find_host_compiler() -> list[str]:
     return [find_nvcc(), "-x", "cu"]  # nvcc compiles host code too
 
 
+@pytest.fixture(autouse=True)
+def real_cuda_path(monkeypatch):
+    """These tests are about CuPy and nvcc: never the CPU stand-in, even if the variable is exported."""
+    monkeypatch.delenv("EDGELLM_CUDA_EMULATE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def source_dir(tmp_path_factory) -> Path:
     """The sources exactly as NVRTC receives them (headers pasted in)."""

@@ -141,3 +141,19 @@ def test_bytes_per_token_and_pool_size_are_the_ledger_formula():
     assert cache(n_blocks_ctx=4, n_seq=3, kv_size=40).groups[0].pool.n_blocks == 4  # at least one context
     with pytest.raises(InvalidArgumentError, match="kv_type"):
         KVCache(cfg, [NumpyBackend()] * 2, n_ctx=64, n_batch=16, n_seq=1, kv_type="q3")
+
+
+def test_hadamard_rotation_is_orthonormal_and_sized_like_llama_cpp():
+    from edgellm.backend_cpu import hadamard, rotate, rotation_size
+
+    assert (rotation_size(64, True), rotation_size(256, True), rotation_size(192, True)) == (64, 256, 64)
+    assert (rotation_size(256, False), rotation_size(80, True)) == (64, 0)
+    h = hadamard(128)
+    np.testing.assert_allclose(h @ h, np.eye(128), atol=1e-6)
+    x = np.random.default_rng(0).standard_normal((3, 2, 256)).astype(np.float32)
+    y = x.copy()
+    rotate(y, hadamard(64))
+    assert np.abs(y - x).max() > 0.1
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    rotate(y, hadamard(64))
+    np.testing.assert_allclose(y, x, atol=1e-5)

@@ -1,5 +1,7 @@
 """The CPU memory ledger against reality: a fresh process loads a real model, runs a full prompt
-batch (all logits) and some decode steps, and its peak RSS is compared with the planner's estimate."""
+batch and some decode steps (a generation: the logits of one row per step, which is what the ledger
+charges; `Model.logits` of a whole batch allocates n_tok rows on top), and its peak RSS is compared
+with the planner's estimate."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ import edgellm
 path, n_ctx, n_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = edgellm.load(path, n_ctx=n_ctx, n_batch=n_batch)
 rng = np.random.default_rng(0)
-m.logits(rng.integers(10, m.n_vocab - 10, size=n_batch))
+m.eval(rng.integers(10, m.n_vocab - 10, size=n_batch))
 for t in rng.integers(10, 1000, size=8):
     m.eval([int(t)])
 p = m.plan.cpu

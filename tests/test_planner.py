@@ -93,9 +93,16 @@ def test_activation_terms_are_the_named_buffers(sparse_models):
     cfg, sizes = facts(sparse_models["7b", "Q4_K"])
     p = plan(cfg, sizes, n_ctx=4096, n_batch=512, gpu_layers=4, budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
     cpu, gpu = dict(p.cpu.activation_buffers), dict(p.gpu.activation_buffers)
-    assert gpu["attn_scores"] == 32 * 512 * 4096 * 4  # n_head × n_batch × n_ctx float32
+    assert gpu["attn_scores"] == 4096 * (32 * 128 * 2) * 2  # a sequence's K and V gathered (f16)
+    assert gpu["dequant"] == 32 << 20  # at most this much of a matrix at a time, as the backend does
+    from edgellm.kernels.cuda.backend import DEQUANT_BUFFER_BYTES
+
+    assert DEQUANT_BUFFER_BYTES == 32 << 20
     assert gpu["ffn_gate"] == gpu["ffn_up"] == 128 * 11008 * 4  # the FFN runs 128 tokens at a time
-    assert gpu["logits"] == cpu["logits"] == 512 * 32000 * 4  # on the head's device and the host copy
+    # one row of logits per sequence (a generation's step), on the head's device and the host copy
+    assert gpu["logits"] == cpu["logits"] == 1 * 32000 * 4
+    p8 = plan(cfg, sizes, n_ctx=4096, n_batch=512, n_seq=8, gpu_layers=4, budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
+    assert dict(p8.gpu.activation_buffers)["logits"] == 8 * 32000 * 4
     assert p.gpu.activations == sum(gpu.values()) and p.cpu.activations == sum(cpu.values())
     # n_batch larger than the context: a step never holds more than n_ctx tokens
     small = plan(cfg, sizes, n_ctx=128, n_batch=512, budgets=BIG)
@@ -207,14 +214,22 @@ def test_sliding_window_layers_hold_window_plus_batch(gemma3):
     assert cfg.sliding_window == 512 and sum(cfg.swa_layers) == 15
     p = plan(cfg, sizes, n_ctx=8192, n_batch=256, budgets=BIG)
     per_cell = 2 * cfg.n_head_kv * cfg.head_dim_k * 2
-    assert p.cpu.kv_cache == per_cell * (3 * 8192 + 15 * (512 + 256))
-    short = plan(cfg, sizes, n_ctx=600, n_batch=256, budgets=BIG)  # window + batch > n_ctx: n_ctx
-    assert short.cpu.kv_cache == per_cell * 18 * 600
+    # the sliding layers' pool: window + batch + the key list's alignment (32) + a partial block
+    # (16), in blocks of 16; the full layers' pool: the context
+    assert p.cpu.kv_cache == per_cell * (3 * 8192 + 15 * (512 + 256 + 32 + 16))
+    p4 = plan(cfg, sizes, n_ctx=8192, n_batch=256, n_seq=4, budgets=BIG)
+    assert p4.cpu.kv_cache == 4 * p.cpu.kv_cache
+    pool = p4.to_json()["kv_pool"]
+    assert [(g["window"], g["layers"]) for g in pool["groups"]] == [(0, 3), (512, 15)]
+    assert sum(g["bytes"] for g in pool["groups"]) == p4.cpu.kv_cache
+    assert pool["groups"][0]["blocks"] == 4 * 8192 // pool["block_size"]
+    short = plan(cfg, sizes, n_ctx=600, n_batch=256, budgets=BIG)  # window + batch > n_ctx: n_ctx in blocks
+    assert short.cpu.kv_cache == per_cell * 18 * 608
 
 
 def test_bad_arguments(sparse_models):
     cfg, sizes = facts(sparse_models["7b", "Q4_K"])
-    for kwargs in (dict(kv_type="q4"), dict(gpu_layers=-2), dict(gpu_layers="most"), dict(n_ctx=0)):
+    for kwargs in (dict(kv_type="q4"), dict(gpu_layers=-2), dict(gpu_layers="most"), dict(n_ctx=0), dict(n_seq=0)):
         with pytest.raises(InvalidArgumentError):
             plan(cfg, sizes, **{"n_ctx": 512, "budgets": BIG, **kwargs})
 

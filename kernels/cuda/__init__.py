@@ -3,6 +3,10 @@
 Importing this package never imports CuPy; only `require()`, `load_module()` and the backend do.
 The sources are compiled by NVRTC on first use and cached by CuPy (in ~/.cupy/kernel_cache).
 
+With EDGELLM_CUDA_EMULATE=1 (development and CI only) `require()` returns a NumPy-backed CuPy stand-in
+(emulator/cupy_standin.py) whose RawModule runs these same sources on the CPU (emulator/executor.py,
+built with g++), so the real backend runs without a GPU, slowly. It is never picked up otherwise.
+
     from edgellm.kernels import cuda
     ok, reason = cuda.available()        # never raises
     cp = cuda.require()                  # cupy, or GPUUnavailableError saying what to do
@@ -14,7 +18,9 @@ compile-check in CI (tests/test_cuda_compile.py) feeds nvcc this same text with 
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -30,6 +36,14 @@ INSTALL_HINT = (
     "install CuPy for your CUDA version: pip install 'edgellm[cuda]' (CUDA 12; for CUDA 13 use "
     "pip install cupy-cuda13x), or run with gpu_layers=0"
 )
+
+
+EMULATE_ENV = "EDGELLM_CUDA_EMULATE"
+
+
+def emulated() -> bool:
+    """True when EDGELLM_CUDA_EMULATE is set to something other than "" or "0"."""
+    return os.environ.get(EMULATE_ENV, "") not in ("", "0")
 
 
 def module_names() -> list[str]:
@@ -61,6 +75,8 @@ def _inline_includes(text: str, seen: set[str]) -> str:
 
 def available() -> tuple[bool, str]:
     """(True, device description) when CuPy imports and sees a CUDA device, else (False, why). Never raises."""
+    if emulated():
+        return _emulator_available()
     try:
         import cupy
     except Exception as e:  # ImportError, or a broken CUDA install raising something else
@@ -79,13 +95,27 @@ def available() -> tuple[bool, str]:
         return True, f"CUDA device 0 (properties unavailable: {e})"
 
 
+def _emulator_available() -> tuple[bool, str]:
+    compiler = (os.environ.get("CXX") or "g++").split()[0]
+    if shutil.which(compiler) is None:
+        return False, f"{EMULATE_ENV}=1 runs the CUDA kernels on the CPU and needs a C++17 compiler ({compiler} not found)"
+    from edgellm.kernels.cuda.emulator import cupy_standin
+
+    return True, f"{cupy_standin.DEVICE_NAME}, {cupy_standin.emulated_vram() / 2**30:.1f} GiB ({EMULATE_ENV}=1)"
+
+
 def require():
-    """Return the cupy module, or raise GPUUnavailableError saying what to install or check."""
+    """Return the cupy module (the CPU stand-in when EDGELLM_CUDA_EMULATE=1), or raise
+    GPUUnavailableError saying what to install or check."""
     from edgellm.errors import GPUUnavailableError
 
     ok, reason = available()
     if not ok:
         raise GPUUnavailableError(f"GPU layers were requested but {reason}")
+    if emulated():
+        from edgellm.kernels.cuda.emulator import cupy_standin
+
+        return cupy_standin
     import cupy
 
     return cupy
@@ -98,6 +128,6 @@ def load_module(module: str):
 
 
 __all__ = [
-    "COMPILE_OPTIONS", "INSTALL_HINT", "SOURCE_DIR", "available", "load_module",
+    "COMPILE_OPTIONS", "EMULATE_ENV", "INSTALL_HINT", "SOURCE_DIR", "available", "emulated", "load_module",
     "module_names", "module_source", "require",
 ]

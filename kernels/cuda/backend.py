@@ -2,8 +2,9 @@
 
 Weight matrices are uploaded once as their raw GGUF blocks, uint8 (n_rows, row_bytes), and stay
 quantized in VRAM. `linear` runs a matrix-vector kernel that dequantizes in registers when there are
-few tokens (decode), and for a prompt batch dequantizes the matrix into one reused float32 buffer and
-calls cupy.matmul (cuBLAS). Activations are float32; the KV cache is float16 by default.
+few tokens (decode), and for a prompt batch dequantizes the matrix into one reused float32 buffer of
+at most DEQUANT_BUFFER_BYTES (a larger matrix, such as a 262144-row output head, a slice of rows at
+a time) and calls cupy.matmul (cuBLAS). Activations are float32; the KV cache is float16 by default.
 
 CuPy is imported when a CudaBackend is made, never when this module is imported.
 """
@@ -26,6 +27,10 @@ ELEMENTWISE_THREADS = 256
 NORM_THREADS = 256  # must match NORM_THREADS in norm_rope.cu
 ATTN_THREADS = 8 * 32  # ATTN_WARPS * 32 in attention.cu
 ATTN_MAX_HEAD_DIM = 256
+# Largest float32 buffer a prompt product dequantizes into (rows of W at a time): without the bound a
+# big output head took n_vocab * n_embd * 4 bytes (671 MiB for Gemma-3's 262144 x 640) on top of the
+# planned VRAM.
+DEQUANT_BUFFER_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -233,8 +238,15 @@ class CudaBackend:
             raise InvalidArgumentError(f"linear: x must be float32, got {x.dtype}")
         if x.shape[0] <= self.matvec_max_tokens:
             self.matvec(w, x, out)
-        else:
+            return
+        rows = max(MATVEC_ROWS, DEQUANT_BUFFER_BYTES // (4 * w.n_cols))
+        if w.ggml_type == GGMLType.F32 or rows >= w.n_rows:
             self.cp.matmul(x, self._dense(w).T, out=out)
+            return
+        for r0 in range(0, w.n_rows, rows):  # out (n_tok, n_rows): a column slice per slice of W's rows
+            r1 = min(w.n_rows, r0 + rows)
+            part = QMatrix(w.ggml_type, w.data[r0:r1], r1 - r0, w.n_cols, w.name)
+            out[:, r0:r1] = self.cp.matmul(x, self._dense(part).T)
 
     def embed(self, w: QMatrix, ids: np.ndarray, out) -> None:
         """out (n_tok, n_embd) = rows `ids` of the embedding matrix, dequantized."""
@@ -345,12 +357,13 @@ class CudaBackend:
         self._elementwise("gelu_mul_f32", (gate, up), out)
 
     def add(self, x, y, out) -> None:
-        """out = x + y; y may be a vector (n,) broadcast over the rows of x (a bias)."""
+        """out = x + y; y may be broadcast over the leading axes of x (a bias: (n,) over (n_tok, n), or
+        (n_head, head_dim) over (n_tok, n_head, head_dim) as qkv_attention_by_ops passes it)."""
         if y.size == x.size:
             self._elementwise("add_f32", (x, y), out)
             return
         n = y.size
-        if x.shape[-1] != n or y.ndim != 1:
+        if not 0 < y.ndim < x.ndim or tuple(x.shape[x.ndim - y.ndim:]) != tuple(y.shape):
             raise InvalidArgumentError(f"add: cannot broadcast {y.shape} over {x.shape}")
         for a in (x, y, out):
             self._require_contiguous("add", a)

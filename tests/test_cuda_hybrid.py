@@ -1,0 +1,203 @@
+"""The real CudaBackend end to end on the real models, its kernels run on the CPU by the executor
+(EDGELLM_CUDA_EMULATE=1): `edgellm.load(path, gpu_layers=N)` and `generate`, against the CPU-only run;
+and the planner against the emulated device's free memory.
+
+The hybrid logits are close to the CPU run's, not equal: the CPU products quantize the activations to
+q8_0 / q8_1 / q8_K first and sum in ggml's integer order (bit-exact with llama.cpp's CPU backend),
+while the CUDA kernels multiply the dequantized weights by float32 activations (matvec) or run a
+float32 matmul (prompts), which is closer to the exact product (test_cuda_emulated: <= 1e-5 of
+sum |w x|; the CPU's q8 rounding alone moves a SmolLM2 head logit by up to ~0.1 for unit inputs).
+Measured (6-token prompt, teacher-forced): top-1 agreement 1.0 everywhere; mean KL(cpu || gpu)
+2.1e-3 (SmolLM2, 1 layer + head), 2.6e-3 (15 layers), 6.0e-3 (all 30), 5.1e-3 (Gemma-3, all 18);
+greedy tokens identical. KL_MAX holds that with a margin; issue 16's 1e-3 needs the GPU to quantize
+activations as the CPU does (q8_1 MMVQ with __dp4a), not done yet. The emulator takes ~1 µs per CUDA
+thread, so the prompt is short and decode steps few.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import edgellm
+
+pytestmark = [pytest.mark.real, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA executor needs g++")]
+
+PROMPT = "The capital of France is"
+N_DECODE = 2  # greedy decode steps (one token each: the matvec kernels)
+TOP1_MIN = 0.999
+KL_MAX = 1e-2  # measured worst 6.0e-3, see above
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
+    monkeypatch.delenv("EDGELLM_CUDA_EMULATE_VRAM", raising=False)
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare(cpu: np.ndarray, gpu: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(cpu || gpu)) over positions."""
+    lp, lq = log_softmax(cpu), log_softmax(gpu)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    return float(np.mean(cpu.argmax(-1) == gpu.argmax(-1))), float(kl.mean())
+
+
+def run(path, gpu_layers):
+    """Teacher-forced prompt logits (one batch: dequantize + matmul on the GPU), then N_DECODE greedy
+    steps through generate (one token each: the matvec kernels); returns (model, prompt logits, tokens)."""
+    m = edgellm.load(path, gpu_layers=gpu_layers, n_ctx=64, n_batch=64)
+    ids = m.tokenize(PROMPT)
+    prompt_logits = m.logits(ids)
+    tokens = [c.token for c in m.generate(ids, max_tokens=N_DECODE + 1, temperature=0, ignore_eos=True)]
+    return m, prompt_logits, tokens
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(smollm2_path, gemma3_path):
+    out = {}
+    for name, path in (("smollm2", smollm2_path), ("gemma3", gemma3_path)):
+        m, logits, tokens = run(path, 0)
+        out[name] = (path, m.config.n_layer, logits, tokens)
+    return out
+
+
+@pytest.mark.parametrize("model,gpu_layers", [("smollm2", 1), ("smollm2", "half"), ("smollm2", -1),
+                                              ("gemma3", -1)])
+def test_hybrid_matches_cpu(emulate, cpu_runs, model, gpu_layers):
+    path, n_layer, want_logits, want_tokens = cpu_runs[model]
+    n_gpu = n_layer // 2 if gpu_layers == "half" else gpu_layers
+    m, logits, tokens = run(path, n_gpu)
+    expected = n_layer if n_gpu == -1 else n_gpu
+    assert m.plan.n_gpu_layers == expected and m.plan.output_device == "gpu"
+    assert m.runtime.layer_devices.count("gpu") == expected
+    top1, kl = compare(want_logits, logits)
+    print(f"{model} gpu_layers={n_gpu}: top-1 {top1:.4f}, mean KL {kl:.2e}, max |dlogit| "
+          f"{np.abs(want_logits - logits).max():.3g}, tokens {tokens} (cpu {want_tokens})")
+    assert top1 >= TOP1_MIN and kl <= KL_MAX
+    assert tokens == want_tokens
+    assert m.stats.device_ms.get("gpu", 0) > 0 and "cpu" in m.stats.device_ms  # per-device decode timing
+    assert m.memory()["gpu"]["weights"] > 0
+
+
+@pytest.mark.parametrize("vram", ["2GiB", "4GiB", "6GiB", "just under all"])
+def test_planner_uses_the_emulated_free_memory(emulate, monkeypatch, smollm2_path, vram):
+    """gpu_layers "auto" plans against what the emulated device reports free (no --vram), the layers it
+    picks are the ones that get uploaded, and what is uploaded stays within the plan's GPU ledger."""
+    from edgellm.kernels.cuda.emulator import cupy_standin
+    from edgellm.memory import free_vram, parse_size
+
+    load = dict(n_ctx=256, n_batch=32)
+    if vram == "just under all":  # 1 MiB less than the plan for every layer needs: a split
+        from edgellm.config import ModelConfig
+        from edgellm.gguf_file import GGUFFile
+        from edgellm.placement import make_plan
+
+        gf = GGUFFile(smollm2_path)
+        everything = make_plan(gf, ModelConfig.from_gguf(gf), gpu_layers=-1, kv_type="f16", vram="8GiB", **load)
+        budget = everything.gpu.total - (1 << 20)
+    else:
+        budget = parse_size(vram)
+    pool = cupy_standin.get_default_memory_pool()
+    monkeypatch.setenv("EDGELLM_CUDA_EMULATE_VRAM", str(budget + pool.used_bytes()))
+    free, source = free_vram()
+    assert "emulated" in source and free == budget
+    m = edgellm.load(smollm2_path, gpu_layers="auto", **load)
+    n, n_gpu = m.config.n_layer, m.plan.n_gpu_layers
+    assert m.plan.gpu.budget == budget and m.plan.gpu.total <= budget
+    if vram == "just under all":
+        assert 0 < n_gpu < n
+    else:
+        assert n_gpu == n  # SmolLM2-135M fits in 2 GiB
+    assert m.runtime.layer_devices == ["cpu"] * (n - n_gpu) + ["gpu"] * n_gpu
+    held = budget - free_vram()[0]
+    assert m.plan.gpu.weights <= held <= m.plan.gpu.total  # uploaded weights + KV cache, within the ledger
+
+
+# Small synthetic models (random weights) of each architecture, every layer on the GPU: the paths the
+# two real models do not take (Qwen2's q/k/v biases, Qwen3's QK-norm) and a prompt in batches of 16
+# over Gemma-3's 16-slot sliding window, so its ring wraps. Random weights give flat logits, so
+# near-ties flip: measured top-1 0.95-1.0 (on a 64-token llama run every flip was at a CPU top-2
+# margin < 0.1, while the CPU's q8 activation rounding moves logits by up to ~0.3) and mean KL
+# <= 1.6e-3 (qwen3 Q6_K prompt).
+SYNTHETIC = [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K"), ("gemma3", "Q4_K")]
+
+
+@pytest.mark.parametrize("arch,type_name", SYNTHETIC)
+def test_hybrid_synthetic_architectures(emulate, tmp_path, arch, type_name):
+    from gguf import GGMLQuantizationType as GGMLType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch=arch, n_layer=3, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType[type_name],
+                                    sliding_window=16, seed=3))
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 512, size=34)]
+    load = dict(n_ctx=64, n_batch=16)
+
+    def logits(gpu_layers):
+        m = edgellm.load(path, gpu_layers=gpu_layers, **load)
+        prompt = m.logits(tokens)  # batches of 16, 16 and 2 tokens
+        m.reset()
+        decode = np.stack([m.eval([t]) for t in tokens[:4]])  # one token at a time
+        return m, prompt, decode
+
+    _, want_prompt, want_decode = logits(0)
+    m, got_prompt, got_decode = logits(-1)
+    assert m.runtime.layer_devices == ["gpu"] * 3 and m.plan.output_device == "gpu"
+    for want, got in ((want_prompt, got_prompt), (want_decode, got_decode)):
+        top1, kl = compare(want, got)
+        print(f"{arch} {type_name}: top-1 {top1:.4f}, mean KL {kl:.2e}, max |dlogit| {np.abs(want - got).max():.3g}")
+        assert top1 >= 0.9 and kl <= 3e-3
+
+
+def test_cli_run_with_gpu_layers_on_the_emulated_gpu(tmp_path):
+    """`edgellm run --gpu-layers N` end to end with EDGELLM_CUDA_EMULATE=1; the same command without the
+    variable gives the one-line no-GPU error here (the stand-in is never picked up silently)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from gguf import GGMLQuantizationType as GGMLType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / "llama.gguf", arch="llama", n_layer=3, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType.Q4_K, seed=3))
+    cmd = [sys.executable, "-m", "edgellm.cli", "run", path, "--gpu-layers", "2", "-p", "hi", "-n", "3",
+           "--temp", "0", "--ignore-eos"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGELLM_CUDA_EMULATE")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "EDGELLM_CUDA_EMULATE": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "generated 3 tok" in r.stderr and "gpu" in r.stderr.splitlines()[-1]
+    if importlib.util.find_spec("cupy") is None:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+        assert "needs a GPU" in r.stderr and "emulat" not in r.stderr
+
+
+def test_many_sequences_on_the_emulated_gpu(emulate, tmp_path):
+    """The paged KV cache on the GPU (kv_array in VRAM, per-sequence key lists gathered for the kernel):
+    three prompts decoded together give each one's text decoded alone, every layer on the GPU."""
+    from gguf import GGMLQuantizationType as GGMLType
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / "llama.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4,
+                                    n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType.Q4_K, seed=5))
+    m = edgellm.load(path, gpu_layers=-1, n_ctx=64, n_batch=16, n_seq=3)
+    assert m.runtime.layer_devices == ["gpu"] * 2
+    prompts = [[1, 17, 99, 300, 4], [1, 250, 8], [1, 42, 42, 42, 42, 42, 42, 7, 9, 11]]
+    sampling = dict(max_tokens=5, temperature=0, ignore_eos=True)
+    requests = [m.submit(p, **sampling) for p in prompts]  # queued together, decoded as one ragged batch
+    together = [[c.token for c in r] for r in requests]
+    alone = [[c.token for c in m.generate(p, **sampling)] for p in prompts]
+    assert together == alone and all(len(t) == 5 for t in together)
