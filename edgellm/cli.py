@@ -19,6 +19,7 @@ COMMANDS = {
     "quantize": ("edgellm.commands.quantize", "quantize a GGUF file (llama-quantize's types and recipes)"),
     "perplexity": ("edgellm.commands.perplexity", "perplexity (and KL vs a base model) over a text"),
     "quality": ("edgellm.commands.quality", "quantize to several types: size, quality and speed side by side"),
+    "serve": ("edgellm.commands.serve", "serve a model over an OpenAI-compatible HTTP API"),
 }
 
 

@@ -1,0 +1,192 @@
+"""The model behind the server, seen from the event loop.
+
+The model loads on a thread of its own (the server answers /health with 503 meanwhile). A request
+runs on its own thread too: that thread renders the prompt, calls `Model.submit` and iterates the
+Request — whose tokens the many-sequence engine produces on its thread — posting each Chunk to an
+asyncio queue. So the event loop never touches the model, and `Stream.cancel()` (a closed
+connection) reaches the engine at once through `Request.cancel()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+from edgellm.serve.protocol import APIError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token as the HTTP layer needs it (token texts decoded on the request's thread)."""
+
+    token: int
+    text: str
+    finish_reason: str | None
+    token_text: str = ""  # the token's own bytes as text (for logprobs)
+    logprob: float | None = None
+    top_logprobs: tuple = ()  # ((text, logprob), ...)
+    eog: bool = False  # an end-of-generation token (left out of logprobs)
+    t: float = 0.0  # perf_counter when it reached the server
+
+
+_END = object()
+
+
+class Stream:
+    """Chunks of one request, from its thread to the event loop."""
+
+    def __init__(self, engine: "Engine", loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request = None
+        self.stats = None
+        self.cancelled = threading.Event()
+        self.t_start = time.perf_counter()
+
+    def _post(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _run(self, make_prompt, kwargs: dict) -> None:
+        """The request's thread: submit, then forward every chunk."""
+        model = self.engine.model
+        try:
+            req = model.submit(make_prompt(model), **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which maps it
+            self._post(exc)
+            self._post(_END)
+            return
+        self.request = req
+        if self.cancelled.is_set():  # cancelled while submit ran
+            req.cancel()
+        self._post(None)  # submitted: the HTTP status is 200 from here on
+        tk = model.tokenizer
+        want_lp = kwargs.get("logprobs") is not None
+        try:
+            for chunk in req:
+                if self.cancelled.is_set():
+                    break
+                piece = Piece(chunk.token, chunk.text, chunk.finish_reason, eog=tk.is_eog(chunk.token),
+                              t=time.perf_counter())
+                if want_lp:
+                    piece = Piece(piece.token, piece.text, piece.finish_reason, _token_text(tk, chunk.token),
+                                  float(chunk.logprob),
+                                  tuple((_token_text(tk, t), float(lp)) for t, lp in chunk.top_logprobs),
+                                  piece.eog, piece.t)
+                self._post(piece)
+        except BaseException as exc:  # noqa: BLE001
+            self._post(exc)
+        finally:
+            if self.cancelled.is_set():
+                req.cancel()
+            self.stats = req.stats
+            self._post(_END)
+
+    def cancel(self) -> None:
+        """Stop generating now: the engine frees the sequence's slot and blocks."""
+        self.cancelled.set()
+        if self.request is not None:
+            self.request.cancel()
+
+    async def started(self) -> None:
+        """Wait until the engine took the request, or raise what submit raised, mapped to an APIError."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            await self.queue.get()  # _END
+            raise map_error(item)
+
+    async def next(self, timeout: float | None = None):
+        """The next Piece, None at the end, or TimeoutError after `timeout` seconds without one."""
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise map_error(item)
+        return item
+
+
+def _token_text(tk, tok: int) -> str:
+    return tk.token_to_bytes(int(tok)).decode("utf-8", errors="replace")
+
+
+def map_error(exc: BaseException) -> APIError:
+    from edgellm.errors import (ContextFullError, EdgeLLMError, InvalidArgumentError, KVCacheFullError, TemplateError,
+                                TokenizerError)
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (ContextFullError, KVCacheFullError)):  # a prompt longer than a sequence may hold
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, (InvalidArgumentError, TemplateError, TokenizerError)):
+        return APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, EdgeLLMError):
+        return APIError(500, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class Engine:
+    """Loads the model on a thread; admits requests up to n_seq running + `queue` waiting."""
+
+    def __init__(self, load, *, queue: int = 64):
+        self._load = load  # () -> Model
+        self.max_waiting = queue
+        self.model = None
+        self.slots = 0  # sequences the engine runs at once (read once, after loading)
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self.in_flight = 0  # requests admitted and not finished (touched on the event loop only)
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self._load_thread, name="edgellm-load", daemon=True)
+        t.start()
+        return t
+
+    def _load_thread(self) -> None:
+        try:
+            model = self._load()
+            self.slots = int(model.engine_stats()["n_seq"])
+            self.model = model
+        except BaseException as exc:  # noqa: BLE001 - reported by the server
+            self.load_error = exc
+        finally:
+            self.ready.set()
+
+    @property
+    def loaded(self) -> bool:
+        return self.ready.is_set() and self.model is not None
+
+    @property
+    def n_seq(self) -> int:
+        return self.slots if self.loaded else 0
+
+    def require(self) -> None:
+        if not self.loaded:
+            raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading")
+
+    async def open(self, make_prompt, kwargs: dict) -> Stream:
+        """Admit a request and start it; raises APIError 503 when the queue is full."""
+        self.require()
+        if self.in_flight >= self.n_seq + self.max_waiting:
+            raise APIError(503, f"the server is busy ({self.in_flight} requests running or waiting); "
+                                "retry later", code="queue_full")
+        stream = Stream(self, asyncio.get_running_loop())
+        self.in_flight += 1
+        t = threading.Thread(target=self._run, args=(stream, make_prompt, kwargs), name="edgellm-request",
+                             daemon=True)
+        t.start()
+        try:
+            await stream.started()
+        except BaseException:
+            stream.cancel()
+            raise
+        return stream
+
+    def _run(self, stream: Stream, make_prompt, kwargs: dict) -> None:
+        try:
+            stream._run(make_prompt, kwargs)
+        finally:
+            stream.loop.call_soon_threadsafe(self._done)
+
+    def _done(self) -> None:
+        self.in_flight -= 1

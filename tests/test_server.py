@@ -1,0 +1,362 @@
+"""`edgellm serve` over a real socket: the official `openai` client and raw httpx against a server on
+127.0.0.1 serving the real SmolLM2 file, checked against `Model.chat` / `Model.generate` on the same
+model object. One server (a uvicorn thread in this process) for the module; one `edgellm serve`
+subprocess for loading, /health and SIGINT."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx  # the 'test' extra has the server's dependencies and the clients
+import openai
+import pytest
+import uvicorn
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+KEY = "sk-edgellm-test"
+N_SEQ = 2
+N_CTX = 1024
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Served:
+    def __init__(self, model, path):
+        from edgellm.serve.app import Server, build_app
+        from edgellm.serve.engine import Engine
+
+        self.model = model
+        self.engine = Engine(lambda: model, queue=8)
+        self.engine.start()
+        self.engine.ready.wait()
+        self.server = Server(self.engine, model_path=path, api_key=KEY, ping_seconds=0.5)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.uv.started:
+                break
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
+        self.name = self.server.name
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(10)
+        self.http.close()
+
+    def idle(self, timeout: float = 5.0) -> dict:
+        """engine_stats once no sequence runs (fails after `timeout` seconds)."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            s = self.model.engine_stats()
+            if s["running"] == 0 and s["waiting"] == 0 and self.engine.in_flight == 0:
+                return s
+            time.sleep(0.02)
+        raise AssertionError(f"still busy after {timeout} s: {self.model.engine_stats()}")
+
+    def metrics(self) -> dict:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = self.http.get("/metrics")
+        assert r.status_code == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_path):
+    import edgellm
+
+    model = edgellm.load(smollm2_path, n_ctx=N_CTX, n_seq=N_SEQ, threads=1)
+    s = Served(model, smollm2_path)
+    yield s
+    s.close()
+
+
+def reference(model, prompt_or_messages, **kw) -> tuple[str, str, int]:
+    """(text, finish_reason, tokens) of the same request through the Python API."""
+    call = model.chat if isinstance(prompt_or_messages, list) else model.generate
+    chunks = list(call(prompt_or_messages, **kw))
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason, len(chunks)
+
+
+def sse_events(r) -> list:
+    """The `data:` payloads of a raw SSE response; comment lines (pings) are dropped."""
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            out.append(line[6:])
+        else:
+            assert line == "" or line.startswith(":"), line
+    return out
+
+
+# --- generation ----------------------------------------------------------------------------------
+def test_chat_equals_model_chat(srv):
+    text, finish, n = reference(srv.model, HI, temperature=0, max_tokens=24)
+    r = srv.client.chat.completions.create(model=srv.name, messages=HI, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == finish
+    assert r.usage.completion_tokens == n
+    prompt_ids = srv.model.tokenize(srv.model.render_chat(HI), add_special=True, parse_special=True)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.total_tokens == len(prompt_ids) + n
+    # the same prompt just ran through model.chat: its full blocks come from the prefix cache
+    assert 0 < r.usage.prompt_tokens_details.cached_tokens < len(prompt_ids)
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == n and t["prompt_n"] + t["cache_n"] == len(prompt_ids) and t["ttft_ms"] > 0
+
+
+def test_chat_stream_with_usage(srv):
+    text, finish, n = reference(srv.model, HI, temperature=0, max_tokens=20)
+    chunks = list(srv.client.chat.completions.create(model=srv.name, messages=HI, temperature=0, max_tokens=20,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_equals_generate_and_raw_sse(srv):
+    prompt = "The three primary colors are"
+    text, finish, n = reference(srv.model, prompt, temperature=0, max_tokens=16)
+    r = srv.client.completions.create(model=srv.name, prompt=prompt, temperature=0, max_tokens=16)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == finish == "length"
+    assert r.usage.completion_tokens == n == 16
+    # a prompt of token ids is the same request
+    ids = srv.model.tokenize(prompt, add_special=True, parse_special=True)
+    r2 = srv.client.completions.create(model=srv.name, prompt=ids, temperature=0, max_tokens=16)
+    assert r2.choices[0].text == text and r2.usage.prompt_tokens == len(ids)
+    # streamed, read as raw server-sent events
+    body = {"model": srv.name, "prompt": prompt, "temperature": 0, "max_tokens": 16, "stream": True}
+    with srv.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    objs = [json.loads(e) for e in events[:-1]]
+    assert "".join(o["choices"][0]["text"] for o in objs) == text
+    assert objs[-1]["choices"][0]["finish_reason"] == "length" and objs[-1]["timings"]["predicted_n"] == 16
+    assert all(o["object"] == "text_completion" for o in objs)
+
+
+def test_stop_string(srv):
+    text, _, _ = reference(srv.model, HI, temperature=0, max_tokens=24)
+    words = re.findall(r"[A-Za-z]{4,}", text)
+    stop = words[1]  # a word from inside the greedy answer
+    r = srv.client.chat.completions.create(model=srv.name, messages=HI, temperature=0, max_tokens=24, stop=[stop, "@@@"])
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(srv):
+    r = srv.client.chat.completions.create(model=srv.name, messages=HI, temperature=0, max_tokens=8, logprobs=True,
+                                           top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert 1 <= len(content) <= 8
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        tops = [t.logprob for t in c.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert c.logprob == pytest.approx(tops[0], abs=1e-5)  # greedy: the sampled token is the top one
+        assert c.token == c.top_logprobs[0].token
+        assert all(lp <= 0 for lp in tops) and sum(math.exp(lp) for lp in tops) <= 1 + 1e-4
+    r = srv.client.completions.create(model=srv.name, prompt="1, 2, 3, 4,", temperature=0, max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) == 2 and max(t.values()) == pytest.approx(v, abs=1e-5) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_concurrent_requests(srv):
+    prompts = ["Name a fruit.", "Count to five.", "Say hello.", "What is 2+2?"]  # 4 requests on 2 slots
+    want = {p: reference(srv.model, [{"role": "user", "content": p}], temperature=0, max_tokens=8) for p in prompts}
+    m0 = srv.metrics()
+    got, errors = {}, []
+
+    def ask(p):
+        try:
+            r = srv.client.chat.completions.create(model=srv.name, messages=[{"role": "user", "content": p}],
+                                                   temperature=0, max_tokens=8)
+            got[p] = (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert got == want
+    m1 = srv.metrics()
+    ttft = ("edgellm_time_to_first_token_seconds_count", ())
+    assert m1[ttft] - m0[ttft] == len(prompts)
+    gen = ("edgellm_generation_tokens_total", ())
+    assert m1[gen] - m0[gen] == sum(n for _, _, n in want.values())
+    srv.idle()
+
+
+# --- the connection ------------------------------------------------------------------------------
+def test_disconnect_frees_the_slot(srv):
+    srv.idle()
+    m0 = srv.metrics()
+    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with srv.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        got = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                got.append(line)
+            if len(got) == 3:
+                break
+        assert srv.model.engine_stats()["running"] == 1
+    t0 = time.perf_counter()
+    stats = srv.idle(timeout=3)
+    assert time.perf_counter() - t0 < 3
+    assert stats["running"] == 0
+    m1 = srv.metrics()
+    key = ("edgellm_requests_finished_total", (("finish_reason", "cancelled"),))
+    assert m1[key] - m0.get(key, 0) == 1
+    assert m1[("edgellm_generation_tokens_total", ())] - m0[("edgellm_generation_tokens_total", ())] < 400
+    r = srv.client.completions.create(model=srv.name, prompt="Hi", max_tokens=2)  # the slot serves again
+    assert r.usage.completion_tokens <= 2
+
+
+def test_queue_full_is_503(srv):
+    srv.idle()
+    srv.engine.max_waiting = 0
+    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    try:
+        with srv.http.stream("POST", "/v1/completions", json=body) as a, \
+                srv.http.stream("POST", "/v1/completions", json=body) as b:
+            assert a.status_code == b.status_code == 200
+            with pytest.raises(openai.InternalServerError) as e:
+                srv.client.chat.completions.create(model=srv.name, messages=HI, max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    finally:
+        srv.engine.max_waiting = 8
+    srv.idle()
+
+
+# --- errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"temperature": 3.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": [1, 2]}, "stop"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"extra_body": {"cache_prompt": True}}, "cache_prompt"),
+])
+def test_bad_fields_are_400_naming_them(srv, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.chat.completions.create(model=srv.name, messages=HI, **{"max_tokens": 4, **extra})
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_error_statuses_and_shape(srv):
+    def shape(r, status):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        return err
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    shape(httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}), 401)
+    with pytest.raises(openai.NotFoundError) as e:
+        srv.client.chat.completions.create(model="no-such-model", messages=HI)
+    assert e.value.body["code"] == "model_not_found"
+    shape(srv.http.get("/v1/nothing"), 404)
+    shape(srv.http.post("/v1/chat/completions", content=b"{not json"), 400)
+    shape(srv.http.post("/v1/chat/completions", json={"messages": []}), 400)
+    shape(srv.http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    shape(srv.http.post("/v1/completions", json={"prompt": ["a", "b"]}), 400)
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.completions.create(model=srv.name, prompt="word " * (N_CTX + 10), max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+    # a context-full prompt is refused before any stream starts
+    r = srv.http.post("/v1/completions", json={"prompt": "word " * (N_CTX + 10), "stream": True})
+    assert shape(r, 400)["code"] == "context_length_exceeded"
+    srv.idle()
+
+
+# --- the other endpoints -------------------------------------------------------------------------
+def test_models_health_tokenize(srv):
+    assert [m.id for m in srv.client.models.list().data] == [srv.name]
+    h = httpx.get(srv.url + "/health")  # no key needed
+    assert h.status_code == 200
+    assert h.json()["status"] == "ok" and h.json()["slots_idle"] + h.json()["slots_processing"] == N_SEQ
+    text = "Hello, world! <|im_start|>"
+    ids = srv.http.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == srv.model.tokenize(text, add_special=False, parse_special=True)
+    assert srv.http.post("/detokenize", json={"tokens": ids[:4]}).json()["content"] == srv.model.detokenize(ids[:4])
+    assert srv.http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_metrics_parse(srv):
+    srv.idle()
+    m = srv.metrics()
+    stats = srv.model.engine_stats()
+    assert m[("edgellm_slots_total", ())] == N_SEQ
+    assert m[("edgellm_requests_running", ())] == 0
+    assert m[("edgellm_kv_blocks_total", ())] == stats["kv_blocks_total"]
+    assert m[("edgellm_kv_blocks_used", ())] == stats["kv_blocks_used"] == 0  # idle: nothing held
+    assert m[("edgellm_kv_blocks_cached", ())] == stats["kv_blocks_cached"] > 0  # earlier prompts kept
+    inf = m[("edgellm_e2e_request_latency_seconds_bucket", (("le", "+Inf"),))]
+    assert inf == m[("edgellm_e2e_request_latency_seconds_count", ())] >= 1
+    assert m[("edgellm_request_errors_total", (("status", "400"),))] >= 1
+
+
+# --- the command ---------------------------------------------------------------------------------
+def test_serve_command_loads_answers_and_stops_on_sigint(smollm2_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "serve", str(smollm2_path), "--port", "0", "-np", "1",
+                             "-c", "256", "-t", "1", "--alias", "smol"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        statuses = []
+        for _ in range(600):
+            r = httpx.get(url + "/health")
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert statuses[-1] == 200 and set(statuses) <= {200, 503}
+        ready = proc.stdout.readline()
+        while "ready" not in ready:
+            ready = proc.stdout.readline()
+        assert f"model 'smol' ready: {url}/v1" in ready
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="smol", messages=HI, max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens <= 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
