@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
+from edgellm.kernels.cpu.rows8 import rows8_q4_k
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
@@ -208,8 +209,12 @@ def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
 
 @njit(**JIT)
 def matvec_q4_k(raw, xq, xd, xs, xm, out):
-    nb = U(xd.size)
-    for r in prange(raw.shape[0]):
+    """Eight rows at a time (rows8: the same sums, bit for bit), the last n_rows % 8 one by one."""
+    nb, rb = U(xd.size), U(raw.shape[1])
+    n8 = raw.shape[0] // 8
+    for g in prange(n8):
+        rows8_q4_k(raw, U(g) * U(8) * rb, rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
+    for r in range(n8 * 8, raw.shape[0]):
         out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
 
 
