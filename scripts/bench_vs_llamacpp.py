@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,7 @@ if engine == "llama-bench":  # path: "MODEL|BINARY"
         cmd = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json", *args]
         if depth:
             cmd += ["-d", str(depth)]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
         if r.returncode:
             sys.exit(r.stderr[-2000:])
         out[key] = json.loads(r.stdout)[0]["samples_ts"]
@@ -133,7 +134,7 @@ def main() -> int:
     print(f"| {'RSS':>6} | {ra / 2**20:10.1f}Mi | {rb / 2**20:11.1f}Mi | {ra / rb:6.2f} |")
     la = statistics.median(r["load_s"] for r in res["edgellm"])
     lb = statistics.median(r["load_s"] for r in res["llama.cpp"])
-    if lb == lb:  # llama-bench does not report its load time
+    if not math.isnan(lb):  # llama-bench does not report its load time
         print(f"| {'load':>6} | {la:11.2f}s | {lb:12.2f}s | {la / lb:6.2f} |")
     return 0
 

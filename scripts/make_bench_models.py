@@ -24,14 +24,14 @@ from pathlib import Path
 SHAPES = {
     # Llama-3.2-1B ties its output to the embeddings; the benchmark file keeps a separate output
     # matrix (the heavier case, as llama.cpp's quantized files of untied models have)
-    "llama-1b": dict(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=128256,
-                     tied_output=False),
-    "qwen-1.5b": dict(arch="qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, n_vocab=151936,
-                      tied_output=True),
-    "llama-3b": dict(arch="llama", n_layer=28, n_embd=3072, n_head=24, n_head_kv=8, n_ff=8192, n_vocab=128256,
-                     tied_output=True),
-    "llama-8b": dict(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_vocab=128256,
-                     tied_output=False),
+    "llama-1b": {"arch": "llama", "n_layer": 16, "n_embd": 2048, "n_head": 32, "n_head_kv": 8, "n_ff": 8192,
+                 "n_vocab": 128256, "tied_output": False},
+    "qwen-1.5b": {"arch": "qwen2", "n_layer": 28, "n_embd": 1536, "n_head": 12, "n_head_kv": 2, "n_ff": 8960,
+                  "n_vocab": 151936, "tied_output": True},
+    "llama-3b": {"arch": "llama", "n_layer": 28, "n_embd": 3072, "n_head": 24, "n_head_kv": 8, "n_ff": 8192,
+                 "n_vocab": 128256, "tied_output": True},
+    "llama-8b": {"arch": "llama", "n_layer": 32, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "n_ff": 14336,
+                 "n_vocab": 128256, "tied_output": False},
 }
 TYPES = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M")
 
@@ -53,7 +53,7 @@ def quantize(bin_dir: Path, src: Path, dst: Path, qtype: str, threads: int) -> N
     env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
     tmp = dst.with_suffix(".part")
     r = subprocess.run([str(bin_dir / "llama-quantize"), str(src), str(tmp), qtype, str(threads)],
-                       capture_output=True, text=True, env=env)
+                       check=False, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"llama-quantize {qtype} failed:\n{r.stderr[-2000:]}")
     tmp.rename(dst)
