@@ -215,7 +215,7 @@ def set_threads(n: int) -> None:
     _set_blas_threads(int(n))
 
 
-def idle_cores(sample_s: float = 0.1) -> float | None:
+def idle_cores(sample_s: float = 0.05) -> float | None:
     """How many CPU cores sat idle over the next sample_s seconds (sum of the per-CPU idle
     fractions from /proc/stat; None where there is none). Threads that share a core with another
     busy process wait at every parallel region's barrier for a time slice (decode runs ~5 regions
