@@ -14,35 +14,15 @@ through the unfused ops.
 from __future__ import annotations
 
 import numpy as np
-from edgellm.kernels.cpu.common import (
-    F32,
-    U,
-    njit,
-    prange,
-    quantize_q8_32,
-    quantize_q8_k,
-)
-from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.legacy import _row_q4_0
-from edgellm.kernels.cpu.ops import (
-    _store,
-    add_rms_norm,
-    attend_ggml,
-    expf_ggml,
-    prepare_qkv,
-    rms_norm,
-)
-from edgellm.kernels.cpu.rowdot import (
-    rowdot1_q5_1,
-    rowdot_q2_k,
-    rowdot_q4_1,
-    rowdot_q5_0,
-    rowdot_q5_k,
-    rowdot_q6_k,
-    rowdot_q8_0,
-)
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
 from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, quantize_q8_k
+from edgellm.kernels.cpu.kquants import _row_q4_k
+from edgellm.kernels.cpu.ops import _store, add_rms_norm, attend_ggml, expf_ggml, prepare_qkv, rms_norm
+from edgellm.kernels.cpu.legacy import _row_q4_0
+from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
+                                        rowdot_q8_0)
+from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K,

@@ -23,31 +23,13 @@ Where weight w (0..255) of a super-block lives, per type (c, s, t, h, l as named
 from __future__ import annotations
 
 import numpy as np
-from edgellm.kernels.cpu.common import (
-    F32,
-    FAST_IN_ORDER,
-    I32,
-    JIT,
-    U,
-    dot32_field,
-    f16_to_f32,
-    fma32,
-    load_f16,
-    njit,
-    prange,
-)
-from edgellm.kernels.cpu.rowdot import (
-    rowdot_q2_k,
-    rowdot_q3_k,
-    rowdot_q5_k,
-    rowdot_q6_k,
-    sbdot1,
-    sbdot1_min,
-    sbdot4,
-    sbdot4_min,
-)
-from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
 from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
+                                        fma32, load_f16, njit, prange)
+from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
+                                        sbdot1_min, sbdot4, sbdot4_min)
+from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.

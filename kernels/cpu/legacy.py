@@ -16,32 +16,13 @@ Dequantize follows gguf.quants operation for operation (no fast-math), so it is 
 from __future__ import annotations
 
 import numpy as np
-from edgellm.kernels.cpu.common import (
-    F32,
-    FAST_IN_ORDER,
-    I32,
-    JIT,
-    U,
-    dot32_q4,
-    f16_to_f32,
-    fma32,
-    load_f16,
-    njit,
-    prange,
-)
-from edgellm.kernels.cpu.rowdot import (
-    TILE,
-    rowdot1_q5_1,
-    rowdot4_q4_1u,
-    rowdot4_q5_1,
-    rowdot4_q8_0,
-    rowdot8_q5_0,
-    rowdot_q4_1,
-    rowdot_q5_0,
-    rowdot_q8_0,
-)
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8x4_q4_0
 from gguf import GGMLQuantizationType as GGMLType
+
+from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1u, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
+                                        rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
+                                        njit, prange)
+from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8x4_q4_0
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]

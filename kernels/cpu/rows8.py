@@ -20,19 +20,13 @@ b_off + i; out[out_off + r] = row r's dot product.
 """
 from __future__ import annotations
 
-from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
-from edgellm.kernels.cpu.rowdot import (
-    _V8F,
-    _fma,
-    _load_vec,
-    _madd16,
-    _ptr,
-    const,
-)
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.rowdot import _V8F, _fma, _load_vec, _madd16, _ptr, const
 
 _I32 = ir.IntType(32)
 
