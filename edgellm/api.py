@@ -26,7 +26,11 @@ def default_threads() -> int:
         n = psutil.cpu_count(logical=False)
     except Exception:  # psutil cannot always tell physical cores
         n = None
-    return max(1, n or os.cpu_count() or 1)
+    n = max(1, n or os.cpu_count() or 1)
+    from edgellm.kernels.cpu import idle_cores  # cores busy with other work: fewer threads
+
+    idle = idle_cores()
+    return n if idle is None else max(1, min(n, int(idle + 0.25)))
 
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,

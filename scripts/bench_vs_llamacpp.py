@@ -1,8 +1,12 @@
-"""edgellm and llama.cpp (llama-cpp-python, dev only) side by side on the same GGUF file and thread
-count: pp (batched prompt tokens/s) and tg (one-token decode tokens/s), alternating runs, medians,
-ratios; peak RSS of each in its own process.
+"""edgellm and llama.cpp (llama-cpp-python, or llama.cpp's own llama-bench; dev only) side by side on
+the same GGUF file and thread count: pp (batched prompt tokens/s) and tg (one-token decode tokens/s),
+alternating runs, medians, ratios; peak RSS of each in its own process.
 
-    python scripts/bench_vs_llamacpp.py MODEL [-p 512] [-n 128] [-r 3] [-t 2]
+    python scripts/bench_vs_llamacpp.py MODEL [-p 512] [-n 128] [-r 3] [-t 2] [-d 0]
+                                        [--llama-bench PATH/llama-bench]
+
+-d N: both tests after N tokens already in the context (llama-bench's -d). With --llama-bench the
+llama.cpp side is that program (its shared libraries next to it), run with -r --reps repetitions.
 
 Each measurement runs in a fresh subprocess (so RSS is per engine) that loads the model once, warms
 up, then times r repetitions; runs alternate edgellm / llama.cpp to share the machine's noise.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -19,13 +24,31 @@ import time
 WORKER = r'''
 import json, sys, time, resource
 import numpy as np
-engine, path, n_prompt, n_gen, reps, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+engine, path, n_prompt, n_gen, reps, threads, depth = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:8])
 rng = np.random.default_rng(0)
 out = {"pp": [], "tg": []}
+if engine == "llama-bench":  # path: "MODEL|BINARY"
+    import os, subprocess
+    model, exe = path.split("|")
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(exe))
+    for key, args in (("pp", ["-p", str(n_prompt), "-n", "0"]), ("tg", ["-p", "0", "-n", str(n_gen)])):
+        if (n_prompt if key == "pp" else n_gen) == 0:
+            continue
+        cmd = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json", *args]
+        if depth:
+            cmd += ["-d", str(depth)]
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+        if r.returncode:
+            sys.exit(r.stderr[-2000:])
+        out[key] = json.loads(r.stdout)[0]["samples_ts"]
+    out["load_s"] = float("nan")
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 if engine == "edgellm":
     import edgellm
     t0 = time.perf_counter()
-    m = edgellm.load(path, n_ctx=n_prompt + n_gen + 8, n_batch=n_prompt, threads=threads)
+    m = edgellm.load(path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=max(n_prompt, 1), threads=threads)
     out["load_s"] = time.perf_counter() - t0
     def reset(): m.reset()
     def ev(ids): m.eval(ids)
@@ -33,7 +56,7 @@ if engine == "edgellm":
 else:
     from llama_cpp import Llama
     t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=n_prompt, n_ubatch=n_prompt,
+    llm = Llama(model_path=path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=n_prompt, n_ubatch=n_prompt,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
     out["load_s"] = time.perf_counter() - t0
     def reset(): llm.reset()
@@ -41,11 +64,16 @@ else:
     vocab = llm.n_vocab()
 for r in range(reps + 1):  # the first repetition warms up
     ids = rng.integers(100, vocab - 100, size=max(n_prompt, n_gen + 1))
+    ctx = rng.integers(100, vocab - 100, size=depth)
+    def prefill():
+        reset()
+        for i in range(0, depth, max(n_prompt, 1)):
+            ev(ctx[i:i + max(n_prompt, 1)])
     if n_prompt:
-        reset(); t0 = time.perf_counter(); ev(ids[:n_prompt]); dt = time.perf_counter() - t0
+        prefill(); t0 = time.perf_counter(); ev(ids[:n_prompt]); dt = time.perf_counter() - t0
         if r: out["pp"].append(n_prompt / dt)
     if n_gen:
-        reset(); ev(ids[:1]); t0 = time.perf_counter()
+        prefill(); ev(ids[:1]); t0 = time.perf_counter()
         for t in ids[1:n_gen + 1]:
             ev([t])
         dt = time.perf_counter() - t0
@@ -55,8 +83,9 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def run_one(engine: str, path: str, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", WORKER, engine, path, str(n_prompt), str(n_gen), str(reps), str(threads)],
+def run_one(engine: str, path: str, n_prompt: int, n_gen: int, reps: int, threads: int, depth: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", WORKER, engine, path, str(n_prompt), str(n_gen), str(reps), str(threads),
+                        str(depth)],
                        capture_output=True, text=True)
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -71,7 +100,9 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3, help="alternating rounds (each a fresh process per engine)")
     ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-d", type=int, default=0, help="tokens already in the context before each test")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench program")
     args = ap.parse_args()
     from edgellm.fetch import resolve_model
 
@@ -80,8 +111,11 @@ def main() -> int:
     for i in range(args.r):
         for engine in ("edgellm", "llama.cpp"):
             t0 = time.perf_counter()
-            res[engine].append(run_one("edgellm" if engine == "edgellm" else "llamacpp", path, args.p, args.n,
-                                       args.reps, args.t))
+            if engine == "edgellm":
+                kind, target = "edgellm", path
+            else:
+                kind, target = ("llama-bench", f"{path}|{args.llama_bench}") if args.llama_bench else ("llamacpp", path)
+            res[engine].append(run_one(kind, target, args.p, args.n, args.reps, args.t, args.d))
             print(f"round {i + 1} {engine}: {time.perf_counter() - t0:.1f} s "
                   f"pp {res[engine][-1]['pp']} tg {res[engine][-1]['tg']}", file=sys.stderr)
 
@@ -89,7 +123,8 @@ def main() -> int:
         vals = [v for run in res[engine] for v in run[key]]
         return statistics.median(vals) if vals else float("nan")
 
-    print(f"model {path}, threads {args.t}, pp{args.p} / tg{args.n}, {args.r} alternating rounds, medians")
+    print(f"model {path}, threads {args.t}, pp{args.p} / tg{args.n}, depth {args.d}, {args.r} alternating rounds, "
+          f"medians")
     print(f"| {'test':>6} | {'edgellm t/s':>12} | {'llama.cpp t/s':>13} | {'ratio':>6} |")
     for key, label in (("pp", f"pp{args.p}"), ("tg", f"tg{args.n}")):
         a, b = med("edgellm", key), med("llama.cpp", key)
@@ -99,7 +134,8 @@ def main() -> int:
     print(f"| {'RSS':>6} | {ra / 2**20:10.1f}Mi | {rb / 2**20:11.1f}Mi | {ra / rb:6.2f} |")
     la = statistics.median(r["load_s"] for r in res["edgellm"])
     lb = statistics.median(r["load_s"] for r in res["llama.cpp"])
-    print(f"| {'load':>6} | {la:11.2f}s | {lb:12.2f}s | {la / lb:6.2f} |")
+    if not math.isnan(lb):  # llama-bench does not report its load time
+        print(f"| {'load':>6} | {la:11.2f}s | {lb:12.2f}s | {la / lb:6.2f} |")
     return 0
 
 

@@ -1,4 +1,6 @@
-"""`edgellm bench MODEL`: llama-bench style pp (batched prompt tok/s) and tg (one-token decode tok/s)."""
+"""`edgellm bench MODEL`: llama-bench style pp (batched prompt tok/s) and tg (one-token decode tok/s),
+optionally after -d N tokens already in the context, with the weight bandwidth each test achieved
+(bytes of weights read per pass x passes/s) next to the machine's measured memory bandwidth."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
     p.add_argument("--gpu-layers", "-ngl", type=gpu_layers_arg, default=0, metavar="N|auto|-1")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size")
+    p.add_argument("-d", "--depth", type=int, default=0, metavar="N",
+                   help="tokens already in the context before each test (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -43,6 +47,59 @@ def machine() -> dict:
     }
 
 
+def weight_bytes(gf) -> int:
+    """Bytes of weights one forward pass reads: every tensor but the token embeddings (one row of
+    them is read), the embeddings in full when they are also the output head."""
+    tensors = gf.tensors
+    total = sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight")
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:
+        total += tensors["token_embd.weight"].nbytes
+    return total
+
+
+def stream_bandwidth(threads: int, n_bytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes/s the machine reads from memory: `threads` threads summing their slices of an array
+    larger than the caches (NumPy releases the GIL), best of `reps`."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    a = np.ones(n_bytes // 8, np.uint64)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def machine_bandwidth(threads: int) -> float:
+    """stream_bandwidth, measured once per machine and thread count and cached in the user cache
+    (bandwidth.json; delete it to measure again)."""
+    import json
+    import platform
+
+    from edgellm.fetch import cache_dir
+
+    path = cache_dir() / "bandwidth.json"
+    key = f"{platform.node()}:{platform.processor() or platform.machine()}:{threads}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        cached[key] = stream_bandwidth(threads)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cached, indent=1))
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    return float(cached[key])
+
+
 def run(args) -> int:
     import json
     import time
@@ -52,18 +109,26 @@ def run(args) -> int:
     import edgellm
     from edgellm.errors import InvalidArgumentError
 
-    if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1:
-        raise InvalidArgumentError("-p and -n must be >= 0 and -r >= 1")
-    n_ctx = max(args.n_prompt + args.n_gen + 1, 16)
+    if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1 or args.depth < 0:
+        raise InvalidArgumentError("-p, -n and -d must be >= 0 and -r >= 1")
+    n_ctx = max(args.depth + args.n_prompt + args.n_gen + 1, 16)
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=n_ctx, n_batch=args.batch,
                          threads=args.threads, quiet=False)
     rng = np.random.default_rng(0)
     results = []
+    per_pass = weight_bytes(model.gf)
+    depth = args.depth
+
+    def prefill():
+        model.reset()
+        ctx = rng.integers(0, model.n_vocab, size=depth)
+        for i in range(0, depth, model.n_batch):
+            model.eval(ctx[i:i + model.n_batch])
 
     def one(kind: str, n: int):
         times, device = [], {}
         for r in range(args.repetitions + 1):  # the first run warms up (kernel compile, page cache)
-            model.reset()
+            prefill()
             rt = model.runtime
             rt.timing.seconds.clear()
             rt.timing.tokens = 0
@@ -85,7 +150,10 @@ def run(args) -> int:
                 for d, s in rt.timing.seconds.items():
                     device.setdefault(d, []).append(1000 * s / max(rt.timing.tokens, 1))
         ts = np.array(times)
-        results.append({"test": f"{kind}{args.n_prompt if kind == 'pp' else args.n_gen}", "tokens_per_s": float(ts.mean()),
+        passes = -(-n // model.n_batch) / n if kind == "pp" else 1.0  # forward passes per token
+        name = f"{kind}{args.n_prompt if kind == 'pp' else args.n_gen}" + (f" @ d{depth}" if depth else "")
+        results.append({"test": name, "tokens_per_s": float(ts.mean()),
+                        "weight_gb_per_s": float(ts.mean()) * passes * per_pass / 1e9,
                         "sd": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "runs": [float(x) for x in ts],
                         "ms_per_token_per_device": {d: float(np.mean(v)) for d, v in device.items()}})
 
@@ -94,17 +162,23 @@ def run(args) -> int:
     if args.n_gen:
         one("tg", args.n_gen + 1)
     info = {"model": str(model.path), "file_size": model.gf.file_size, "arch": model.config.arch,
-            "threads": model.threads, "gpu_layers": model.plan.n_gpu_layers, "machine": machine(), "results": results}
+            "threads": model.threads, "gpu_layers": model.plan.n_gpu_layers, "depth": depth,
+            "weight_bytes_per_pass": per_pass, "machine": machine(), "results": results}
+    info["machine"]["memory_gb_per_s"] = machine_bandwidth(model.threads) / 1e9
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     m = info["machine"]
     print(f"machine: {m['cpu']}, {m['physical_cores']} physical / {m['logical_cores']} logical cores, "
-          f"{m['memory_bytes'] / 2**30:.1f} GiB, SIMD: {m['simd']}")
+          f"{m['memory_bytes'] / 2**30:.1f} GiB, SIMD: {m['simd']}, memory read {m['memory_gb_per_s']:.1f} GB/s "
+          f"({info['threads']} threads)")
     print(f"model:   {info['model']} ({info['arch']}, {info['file_size'] / 2**20:.1f} MiB), threads {info['threads']}, "
           f"gpu layers {info['gpu_layers']}")
-    print(f"| {'test':>8} | {'t/s':>16} | ms/token per device")
+    print(f"weights read per forward pass: {per_pass / 2**20:.1f} MiB")
+    print(f"| {'test':>14} | {'t/s':>16} | {'weights GB/s':>14} | ms/token per device")
+    bw = m["memory_gb_per_s"]
     for r in results:
         dev = "  ".join(f"{d} {v:.2f}" for d, v in r["ms_per_token_per_device"].items())
-        print(f"| {r['test']:>8} | {r['tokens_per_s']:8.2f} ± {r['sd']:5.2f} | {dev}")
+        gbs = f"{r['weight_gb_per_s']:6.1f} ({100 * r['weight_gb_per_s'] / bw:3.0f}%)"
+        print(f"| {r['test']:>14} | {r['tokens_per_s']:8.2f} ± {r['sd']:5.2f} | {gbs:>14} | {dev}")
     return 0

@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as GGMLType
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
-                                        sbdot1_min, sbdot4, sbdot4_min, q4_k_step1, q4_k_step4)
+                                        sbdot1_min, sbdot4, sbdot4_min)
+from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -208,45 +209,38 @@ def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
 
 @njit(**JIT)
 def matvec_q4_k(raw, xq, xd, xs, xm, out):
-    nb = U(xd.size)
-    for r in prange(raw.shape[0]):
+    """Eight rows at a time (rows8: the same sums, bit for bit), the last n_rows % 8 one by one."""
+    nb, rb = U(xd.size), U(raw.shape[1])
+    n8 = raw.shape[0] // 8
+    for g in prange(n8):
+        rows8_q4_k(raw, U(g) * U(8) * rb, rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
+    for r in range(n8 * 8, raw.shape[0]):
         out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
 
 
 @njit(**JIT)
 def matmul_q4_k(raw, xq, xd, xs, xm, out):
     """The repacked Q4_K order for a batch (see _row_q4_k): four tokens at a time with a step per
-    pair of sub-blocks, the rest of the tokens with one per super-block. A chunk of rows is
-    unpacked once (as for matmul_tiled) and the tokens pass over it."""
+    pair of sub-blocks (rows8x4_q4_k, eight rows per tile), the rest of the tokens with one per
+    super-block (rows8_q4_k), the last n_rows % 8 rows one by one; chunks of 16 rows per thread,
+    read from the cache by every token group."""
     n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
+    nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
-    xstride = nb * U(QK_K)
-    gstride = nb * U(16)
-    for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
-        r0 = c * TILED_ROWS
-        nr = min(TILED_ROWS, n_rows - r0)
-        wq, sc, cm, dw, dm = _unpack_rows(4, raw, r0, nr, nb)
+    flat = out.reshape(-1)
+    for c in prange((n_rows + 15) // 16):
+        r0 = c * 16
+        r1 = min(r0 + 16, n_rows)
+        r8 = r0 + (r1 - r0) // 8 * 8
         for t in range(0, n_gemm, 4):
-            for i in range(nr):
-                z = F32(0.0)
-                accs = (z, z, z, z, z, z, z, z)
-                for j in range(nb):
-                    k = U(i) * nb + j
-                    ts = U(t) * nb + j
-                    accs = q4_k_step4(wq, k * U(256), sc, k * U(128), cm, k * U(32), xq, ts * U(QK_K), xstride,
-                                      xs, ts * U(16), gstride, xd, ts, nb, dw[k], dm[k], accs)
-                for u in range(4):
-                    out[t + u, r0 + i] = accs[u] - accs[4 + u]
+            for r in range(r0, r8, 8):
+                rows8x4_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r), ns)
         for t in range(n_gemm, n_tok):
-            for i in range(nr):
-                acc1 = (F32(0.0), F32(0.0))
-                for j in range(nb):
-                    k = U(i) * nb + j
-                    ts = U(t) * nb + j
-                    acc1 = q4_k_step1(wq, k * U(256), sc, k * U(128), cm, k * U(32), xq, ts * U(QK_K), xstride,
-                                      xs, ts * U(16), gstride, xd, ts, nb, dw[k], dm[k], acc1)
-                out[t, r0 + i] = acc1[0] - acc1[1]
+            for r in range(r0, r8, 8):
+                rows8_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
+        for t in range(n_tok):
+            for r in range(r8, r1):
+                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_gemm)
 
 
 @njit(**JIT)

@@ -1,0 +1,51 @@
+"""edgellm bench's weight-bandwidth pieces: bytes read per forward pass, the cached stream test, -d."""
+import json
+
+import pytest
+
+from edgellm.commands import bench
+from edgellm.gguf_file import GGUFFile
+from edgellm.synthetic import write_synthetic_gguf
+
+SHAPE = {"n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "n_vocab": 512}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_counts_every_matrix_and_the_head_once(tmp_path, tied):
+    path = write_synthetic_gguf(tmp_path / "m.gguf", tied_output=tied, sparse=True, **SHAPE)
+    gf = GGUFFile(path)
+    tensors = gf.tensors
+    embd = tensors["token_embd.weight"].nbytes
+    everything = sum(t.nbytes for t in tensors.values())
+    # untied: the embeddings are looked up (one row), the separate head is read; tied: the
+    # embedding matrix is the head
+    assert bench.weight_bytes(gf) == (everything if tied else everything - embd)
+    assert ("output.weight" in tensors) is not tied
+
+
+def test_machine_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(threads):
+        calls.append(threads)
+        return 12.5e9
+
+    monkeypatch.setattr(bench, "stream_bandwidth", fake)
+    assert bench.machine_bandwidth(2) == 12.5e9
+    assert bench.machine_bandwidth(2) == 12.5e9
+    assert calls == [2]
+    assert list(json.loads((tmp_path / "bandwidth.json").read_text()).values()) == [12.5e9]
+
+
+def test_stream_bandwidth_reads_at_a_plausible_rate():
+    bw = bench.stream_bandwidth(1, n_bytes=16 << 20, reps=2)
+    assert 1e8 < bw < 1e12
+
+
+def test_negative_depth_is_a_clear_error(capsys):
+    from edgellm.cli import main
+
+    assert main(["bench", "smollm2-135m", "-d", "-1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "-d" in err[0]

@@ -1,0 +1,61 @@
+"""The eight-row decode kernels (kernels/cpu/rows8.py) and the Q4_0 eight-rows x four-tokens prompt
+tile give each row the one-row kernel's result bit for bit (same float order), including the rows
+and tokens left over after the groups of eight rows / four tokens."""
+import numpy as np
+import pytest
+from edgellm.kernels import cpu
+from edgellm.kernels.cpu.common import U, njit
+from edgellm.kernels.cpu.kquants import _row_q4_k
+from edgellm.kernels.cpu.legacy import _row_q4_0
+from gguf import GGMLQuantizationType as GGMLType
+from quant_blocks import random_rows
+
+
+@njit(cache=False)
+def one_row_products(kind, raw, xq, xd, xs, n_tok, out):
+    """out (n_tok, n_rows): every (token, row) by the one-row kernel, row after row."""
+    nb = U(xd.size // n_tok)
+    for t in range(n_tok):
+        for r in range(raw.shape[0]):
+            if kind == 0:
+                out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
+            else:
+                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+
+
+def activations(t, x):
+    xa = cpu.quantize(cpu.activation_format(t), x.reshape(-1))
+    return xa.parts
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_rows", [8, 45, 131])
+def test_matvec_eight_rows_equal_the_one_row_kernel(t, n_rows):
+    rng = np.random.default_rng(n_rows)
+    n_cols = 2048
+    raw = random_rows(t, n_rows, n_cols, seed=n_rows)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    x[::13] *= 30.0
+    out = np.full(n_rows, np.nan, np.float32)
+    cpu.matvec(t, raw, x, out)
+    xq, xd, xs = activations(t, x)[:3]
+    ref = np.full((1, n_rows), np.nan, np.float32)
+    one_row_products(0 if t == GGMLType.Q4_0 else 1, raw, xq, xd, xs, 1, ref)
+    assert np.array_equal(out.view(np.uint32), ref[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("n_tok", [4, 6, 11])
+def test_q4_0_prompt_tiles_equal_the_one_row_kernel(n_tok):
+    rng = np.random.default_rng(n_tok)
+    n_rows, n_cols = 37, 1024
+    raw = random_rows(GGMLType.Q4_0, n_rows, n_cols, seed=n_tok)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, ::11] *= 25.0
+    m = cpu.bind(GGMLType.Q4_0, raw, n_cols)
+    xa = m.quantize_batch(x)
+    out = np.full((n_tok, n_rows), np.nan, np.float32)
+    assert m.matmul_act(xa, out)
+    ref = np.full((n_tok, n_rows), np.nan, np.float32)
+    xq, xd, xs = xa.parts[:3]
+    one_row_products(0, raw, xq, xd, xs, n_tok, ref)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
