@@ -18,6 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size")
     p.add_argument("-d", "--depth", type=int, default=0, metavar="N",
                    help="tokens already in the context before each test (default 0)")
+    p.add_argument("--parallel", metavar="LIST", default=None,
+                   help="many sequences: aggregate decode t/s of N sequences decoded together for each N "
+                        "in LIST (e.g. 1,2,4,8), llama-batched-bench's S_PP / S_TG with -p prompt and -n "
+                        "generated tokens per sequence")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -111,6 +115,8 @@ def run(args) -> int:
 
     if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1 or args.depth < 0:
         raise InvalidArgumentError("-p, -n and -d must be >= 0 and -r >= 1")
+    if args.parallel is not None:
+        return run_parallel(args)
     n_ctx = max(args.depth + args.n_prompt + args.n_gen + 1, 16)
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=n_ctx, n_batch=args.batch,
                          threads=args.threads, quiet=False)
@@ -181,4 +187,40 @@ def run(args) -> int:
         dev = "  ".join(f"{d} {v:.2f}" for d, v in r["ms_per_token_per_device"].items())
         gbs = f"{r['weight_gb_per_s']:6.1f} ({100 * r['weight_gb_per_s'] / bw:3.0f}%)"
         print(f"| {r['test']:>14} | {r['tokens_per_s']:8.2f} ± {r['sd']:5.2f} | {gbs:>14} | {dev}")
+    return 0
+
+
+def run_parallel(args) -> int:
+    """`bench --parallel 1,2,4,8`: one llama-batched-bench row per N, medians of -r runs."""
+    import json
+    import statistics
+
+    import edgellm
+    from edgellm.commands.bench_parallel import bench_parallel
+    from edgellm.errors import InvalidArgumentError
+
+    try:
+        npls = [int(x) for x in args.parallel.split(",") if x.strip()]
+    except ValueError:
+        npls = []
+    if not npls or min(npls) < 1:
+        raise InvalidArgumentError(f"--parallel takes sequence counts like 1,2,4,8, got {args.parallel!r}")
+    if args.n_prompt < 1 or args.n_gen < 2:
+        raise InvalidArgumentError("--parallel needs -p >= 1 and -n >= 2")
+    model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=args.n_prompt + args.n_gen + 16,
+                         n_batch=args.batch, threads=args.threads, n_seq=max(npls), quiet=False)
+    bench_parallel(model, max(npls), min(args.n_prompt, 16), 4)  # warm-up: every batch size's kernels
+    rows = []
+    for n in npls:
+        runs = [bench_parallel(model, n, args.n_prompt, args.n_gen, seed=r) for r in range(args.repetitions)]
+        rows.append({"npl": n, "npp": args.n_prompt, "ntg": args.n_gen,
+                     "s_pp": statistics.median(r["s_pp"] for r in runs),
+                     "s_tg": statistics.median(r["s_tg"] for r in runs)})
+    model.close()
+    if args.json:
+        print(json.dumps({"parallel": rows, "threads": model.threads}, indent=2))
+        return 0
+    print(f"| {'npl':>4} | {'npp':>5} | {'ntg':>5} | {'S_PP t/s':>9} | {'S_TG t/s':>9} |")
+    for r in rows:
+        print(f"| {r['npl']:>4} | {r['npp']:>5} | {r['ntg']:>5} | {r['s_pp']:>9.1f} | {r['s_tg']:>9.1f} |")
     return 0
