@@ -259,6 +259,9 @@ class Tokenizer:
     # --- construction from metadata ---------------------------------------------------------
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        from edgellm.validate import check_tokenizer
+
+        check_tokenizer(md)  # types of every tokenizer key, token types and role ids in range
         model = md.get("tokenizer.ggml.model")
         if model not in _MODELS:
             raise TokenizerError(
