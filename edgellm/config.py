@@ -84,10 +84,9 @@ class ModelConfig:
         factor = 1.0 if type(factor) in (int, float) and factor == 0 else m.number("rope.scaling.factor", 1.0)
         freq_scale = 1.0 / factor if scaling_type == "linear" else 1.0
         sliding_window = m.integer("attention.sliding_window", 0, lo=0)
-        raw_name = md.get("general.name", gf.path.stem)
         cfg = cls(
             arch=arch,
-            name=printable(raw_name if isinstance(raw_name, str) else gf.path.stem),  # shown as is
+            name=printable(m.string("general.name", gf.path.stem)),  # escaped: shown as is everywhere
             n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,

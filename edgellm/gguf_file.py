@@ -401,10 +401,16 @@ class GGUFFile:
     @cached_property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
+        if arch is None:
             from edgellm.errors import MissingMetadataError
 
             raise MissingMetadataError(f"{self.path}: metadata key 'general.architecture' is missing")
+        if not isinstance(arch, str):
+            from edgellm.errors import MetadataValueError
+            from edgellm.validate import describe
+
+            raise MetadataValueError(f"{self.path}: metadata key 'general.architecture' is "
+                                     f"{describe(arch)}; expected a string (corrupt or hostile file)")
         return arch
 
     def tensor(self, name: str) -> TensorInfo:
