@@ -147,7 +147,7 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 def check_tensors(gf, cfg) -> None:
     """Every tensor the model reads has the shape (and rank) the config implies; token_embd and
-    output_norm exist and every block the config counts has tensors. A block tensor missing
+    output_norm exist and the blocks with tensors are exactly blocks 0..n_layer-1. A block tensor missing
     altogether is reported when the model loads it (`GGUFFile.tensor`), before any kernel runs."""
     tensors = gf.tensors
     blocks = {int(m.group(1)) for name in tensors if (m := _BLOCK.match(name))}
@@ -156,6 +156,10 @@ def check_tensors(gf, cfg) -> None:
         raise ModelShapeError(
             f"{gf.path}: metadata key '{cfg.arch}.block_count' is {cfg.n_layer} but the file has no "
             f"tensors for block {missing} ({len(blocks)} blocks in all; corrupt or hostile file)")
+    if blocks and max(blocks) >= cfg.n_layer:  # llama.cpp refuses unused tensors too
+        raise ModelShapeError(
+            f"{gf.path}: metadata key '{cfg.arch}.block_count' is {cfg.n_layer} but the file has "
+            f"tensors for block {max(blocks)}; the file is corrupt or hostile")
     required, optional = expected_shapes(cfg)
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in tensors:

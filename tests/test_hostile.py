@@ -132,6 +132,7 @@ META_CASES = [
     # (key, value, error class, words the message must hold)
     (L + "block_count", scalar(V.UINT32, 0), errors.MetadataValueError, "llama.block_count"),
     (L + "block_count", scalar(V.UINT32, I32_MAX), errors.ModelShapeError, "llama.block_count"),
+    (L + "block_count", scalar(V.UINT32, 1), errors.ModelShapeError, "tensors for block 1"),
     (L + "block_count", scalar(V.UINT64, U64_MAX), errors.MetadataValueError, "llama.block_count"),
     (L + "block_count", NAN32, errors.MetadataValueError, "llama.block_count"),
     (L + "block_count", array(V.UINT32, [2, 2]), errors.MetadataValueError, "llama.block_count"),
