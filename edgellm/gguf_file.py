@@ -345,7 +345,8 @@ class GGUFFile:
             cur.what = f"tensor info of '{printable(name)}'"
             n_dims = cur.u32()
             if not 1 <= n_dims <= MAX_DIMS:
-                raise TensorShapeError(f"{self.path}: tensor '{printable(name)}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+                raise TensorShapeError(
+                    f"{self.path}: tensor '{printable(name)}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
             ne = tuple(cur.u64() for _ in range(n_dims))
             type_id = cur.u32()
             offset = cur.u64()

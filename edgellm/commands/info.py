@@ -89,8 +89,8 @@ def run(args) -> int:
     tk = {k: printable(v) for k, v in d["tokenizer"].items()}  # text from the file: escaped, cut
     lines = [
         f"file          {printable(d['file'], None)}  ({format_size(d['file_size'])}, GGUF v{d['gguf_version']})",
-        f"model         {printable(d['name'], None)}  [{printable(d['architecture'])}]  {d['n_params'] / 1e6:.1f} M params, "
-        f"{d['bits_per_weight']} bits/weight",
+        f"model         {printable(d['name'], None)}  [{printable(d['architecture'])}]  "
+        f"{d['n_params'] / 1e6:.1f} M params, {d['bits_per_weight']} bits/weight",
         f"layers        {d['n_layer']}    n_embd {d['n_embd']}    n_ff {d['n_ff']}",
         f"heads         {d['n_head']} q / {d['n_head_kv']} kv    head_dim {d['head_dim']}",
         f"context       {d['context_length']} (trained)",
