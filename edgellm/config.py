@@ -6,7 +6,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # general.architecture
