@@ -11,7 +11,7 @@ cleanly it also loads the model and generates 4 greedy tokens. The worker runs u
 (RLIMIT_AS) and each case under a timeout; a worker that dies or stops answering is replaced.
 Outcomes: clean (an EdgeLLMError), success, traceback (any other exception), signal (the worker
 died), hang (no answer in time), blowup (MemoryError or the memory cap). Anything but clean and
-success is a bug; `--keep DIR` saves those cases' files.
+success is a bug; `--keep DIR` saves the first 20 such cases' files.
 """
 from __future__ import annotations
 
@@ -157,6 +157,7 @@ def worker(mem_gib: float) -> None:
     from edgellm.gguf_file import GGUFFile
     from edgellm.tokenizer import Tokenizer
 
+    print(json.dumps({"ready": True}), flush=True)  # imports done: case timeouts start now
     for line in sys.stdin:
         path, run = line.split("\t")
         try:
@@ -183,9 +184,15 @@ def worker(mem_gib: float) -> None:
 
 
 class Worker:
+    START_S = 300  # imports on a loaded machine can take long; that is not a case hanging
+
     def __init__(self, mem_gib: float):
         self.p = subprocess.Popen([sys.executable, __file__, "--worker", "--mem-gib", str(mem_gib)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready, _, _ = select.select([self.p.stdout], [], [], self.START_S)
+        if not ready or not self.p.stdout.readline():
+            self.p.kill()
+            raise SystemExit(f"fuzz_gguf: the worker did not start in {self.START_S} s")
 
     def ask(self, path: str, run: bool, timeout: float) -> dict:
         self.p.stdin.write(f"{path}\t{int(run)}\n")
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-share", type=float, default=0.0, help="share of cases also loaded and run")
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case")
     ap.add_argument("--mem-gib", type=float, default=3.0, help="the worker's address-space cap")
-    ap.add_argument("--keep", help="save the files of bad cases here")
+    ap.add_argument("--keep", help="save the files of the first 20 bad cases here")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             counts[answer["outcome"]] += 1
             if answer["outcome"] in BAD:
                 examples.append({"case": case, "mutation": how, "run": run, **answer})
-                if args.keep:
+                if args.keep and len(examples) <= 20:  # a few: a case is a full copy of the model
                     os.makedirs(args.keep, exist_ok=True)
                     shutil.copy(path, os.path.join(args.keep, f"case{case}.gguf"))
             restore(path, data, patches, keep)
