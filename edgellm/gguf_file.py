@@ -299,7 +299,14 @@ class GGUFFile:
                 )
             if self.file_size < 24:
                 raise TruncatedFileError(f"{self.path}: file truncated ({self.file_size} bytes, header needs 24)")
-            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # ENOMEM: no address space left for the map
+                from edgellm.errors import OutOfMemoryError
+
+                raise OutOfMemoryError(
+                    f"{self.path}: cannot map the {self.file_size}-byte file into memory "
+                    f"({getattr(exc, 'strerror', None) or exc}); close other models or programs") from None
         self._parse()
         # The header (a vocabulary's strings and scores: 6 MiB for a 262k one) has been copied
         # out; its pages would otherwise stay resident for the life of the map. They are clean

@@ -16,6 +16,7 @@ success is a bug; `--keep DIR` saves the first 20 such cases' files.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -160,6 +161,7 @@ def worker(mem_gib: float) -> None:
     print(json.dumps({"ready": True}), flush=True)  # imports done: case timeouts start now
     for line in sys.stdin:
         path, run = line.split("\t")
+        gf = m = None
         try:
             gf = GGUFFile(path)
             json.dumps(describe(gf))
@@ -180,6 +182,14 @@ def worker(mem_gib: float) -> None:
             tb = traceback.extract_tb(exc.__traceback__)[-1]
             answer = {"outcome": "traceback", "detail": f"{type(exc).__name__}: {str(exc)[:150]} "
                                                         f"({os.path.basename(tb.filename)}:{tb.lineno})"}
+        # A GGUFFile and its tensors refer to each other: without this, each case's map of the
+        # file would stay until the cycle collector runs, and the memory cap would be reached
+        if m is not None:
+            m.gf.close()
+        if gf is not None:
+            gf.close()
+        del gf, m
+        gc.collect()
         print(json.dumps(answer), flush=True)
 
 
