@@ -324,7 +324,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 
 def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
-    """jinja's lorem-ipsum helper with its paragraph count and length bounded."""
+    """jinja's lorem-ipsum global with its paragraph count and length bounded."""
     from jinja2.utils import generate_lorem_ipsum
 
     if not all(isinstance(v, int) for v in (n, min, max)) or n * max > 100_000:
