@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-from edgellm.errors import MissingMetadataError, UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
@@ -48,66 +46,68 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, gf) -> "ModelConfig":
         """Build from a GGUFFile's metadata and tensor table; the architecture module supplies its
-        defaults (SWA pattern, rope base of sliding layers) through `models.arch_defaults`."""
+        defaults (SWA pattern, rope base of sliding layers) through `models.arch_defaults`.
+
+        Every value is type- and range-checked (`validate.Metadata`), the hyperparameters against
+        each other, and then the tensors against them (`validate.check_tensors`): a file that
+        passes cannot hand a kernel a shape it does not expect. Errors name the key and file."""
+        from edgellm.errors import printable
         from edgellm.models import architecture
+        from edgellm.validate import Metadata, check_tensors, check_tokenizer
 
         md = gf.metadata
         arch = gf.architecture
         module = architecture(arch, path=gf.path)  # raises UnsupportedArchitectureError
+        m = Metadata(md, gf.path, arch)
+        n_tokens = check_tokenizer(md, gf.path)
 
-        def get(key: str, default: Any = ...) -> Any:
-            full = f"{arch}.{key}"
-            if full in md:
-                return md[full]
-            if default is ...:
-                raise MissingMetadataError(f"{gf.path}: required metadata key '{full}' is missing")
-            return default
-
-        n_embd = int(get("embedding_length"))
-        n_head = int(get("attention.head_count"))
-        if n_head <= 0 or n_embd <= 0:
-            raise MissingMetadataError(f"{gf.path}: '{arch}.attention.head_count' / embedding_length must be > 0")
-        n_head_kv = get("attention.head_count_kv", n_head)
-        n_layer = int(get("block_count"))
-        head_dim_k = int(get("attention.key_length", n_embd // n_head))
-        head_dim_v = int(get("attention.value_length", n_embd // n_head))
-        tokens = md.get("tokenizer.ggml.tokens")
-        n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
-        if n_vocab <= 0:
-            raise MissingMetadataError(f"{gf.path}: cannot tell the vocabulary size ('{arch}.vocab_size' or tokens)")
-        scaling_type = get("rope.scaling.type", "none")
-        factor = float(get("rope.scaling.factor", 1.0) or 1.0)
-        freq_scale = 1.0 / factor if scaling_type == "linear" and factor > 0 else 1.0
-        sliding_window = int(get("attention.sliding_window", 0) or 0)
-        swa_layers = module.swa_layers(n_layer, sliding_window, md)
-        if hasattr(n_head_kv, "__len__"):  # per-layer arrays exist in some files; edgellm needs one value
-            n_head_kv = int(n_head_kv[0])
-        n_head_kv = int(n_head_kv)
-        if n_head_kv <= 0 or n_head % n_head_kv:
-            raise MissingMetadataError(f"{gf.path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-        return cls(
+        n_embd = m.integer("embedding_length")
+        n_layer = m.integer("block_count")
+        n_head = m.per_layer("attention.head_count", n_layer)
+        n_head_kv = m.per_layer("attention.head_count_kv", n_layer, n_head)
+        if n_head_kv > n_head or n_head % n_head_kv:
+            raise m.bad("attention.head_count_kv", n_head_kv,
+                        f"a divisor of {arch}.attention.head_count ({n_head})")
+        head_dim_k = m.integer("attention.key_length", n_embd // n_head)
+        head_dim_v = m.integer("attention.value_length", n_embd // n_head)
+        n_rot = m.integer("rope.dimension_count", head_dim_k)
+        if n_rot % 2 or n_rot < 2 or n_rot > head_dim_k:
+            raise m.bad("rope.dimension_count", n_rot,
+                        f"an even number in 2..{head_dim_k} (the key length: rope rotates pairs "
+                        "within a head)")
+        n_vocab = m.integer("vocab_size", n_tokens or ...)
+        if n_tokens and n_vocab != n_tokens:
+            raise m.bad("vocab_size", n_vocab, f"the number of tokens, {n_tokens}")
+        scaling_type = m.string("rope.scaling.type", "none")
+        factor = m.raw("rope.scaling.factor", 1.0)
+        factor = 1.0 if type(factor) in (int, float) and factor == 0 else m.number("rope.scaling.factor", 1.0)
+        freq_scale = 1.0 / factor if scaling_type == "linear" else 1.0
+        sliding_window = m.integer("attention.sliding_window", 0, lo=0)
+        cfg = cls(
             arch=arch,
-            name=str(md.get("general.name", gf.path.stem)),
+            name=printable(m.string("general.name", gf.path.stem)),  # escaped: shown as is everywhere
             n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
-            n_ff=int(get("feed_forward_length")),
+            n_ff=m.per_layer("feed_forward_length", n_layer),
             n_vocab=n_vocab,
-            n_ctx_train=int(get("context_length", 2048)),
-            n_rot=int(get("rope.dimension_count", head_dim_k)),
-            rope_freq_base=float(get("rope.freq_base", 10000.0)),
+            n_ctx_train=m.integer("context_length", 2048),
+            n_rot=n_rot,
+            rope_freq_base=m.number("rope.freq_base", 10000.0),
             rope_freq_scale=freq_scale,
-            rope_freq_base_swa=float(get("rope.freq_base_swa", module.ROPE_FREQ_BASE_SWA)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_freq_base_swa=m.number("rope.freq_base_swa", module.ROPE_FREQ_BASE_SWA),
+            rms_eps=m.number("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0),
             sliding_window=sliding_window,
-            swa_layers=swa_layers,
+            swa_layers=(),  # set once check_tensors has bounded n_layer by the file's blocks
             tied_output="output.weight" not in gf.tensors,
-            file_type=md.get("general.file_type"),
+            file_type=m.integer("general.file_type", None, lo=0) if "general.file_type" in md else None,
             n_merges=len(md.get("tokenizer.ggml.merges") or ()),
         )
+        check_tensors(gf, cfg)  # also bounds n_layer by the blocks in the file
+        return replace(cfg, swa_layers=tuple(module.swa_layers(n_layer, sliding_window, md)))
 
     @property
     def attn_scale(self) -> float:

@@ -1,8 +1,42 @@
-"""One exception hierarchy. Every message says what was wrong and what to do about it."""
+"""One exception hierarchy. Every message says what was wrong and what to do about it.
+
+Messages quote text from files (keys, names, token strings) that may hold anything, so a message
+is always shown as one printable line: control and format characters escaped, length capped."""
+from __future__ import annotations
+
+import unicodedata
+
+MAX_MESSAGE = 1000  # characters of an error message shown
+MAX_VALUE = 80  # characters of a value from a file quoted in a message or shown by `info`
+
+
+def printable(text: object, limit: int | None = MAX_VALUE) -> str:
+    """`text` as one line safe for a terminal: control characters (ESC, newlines, C1), format
+    characters (bidi overrides, zero-width), line/paragraph separators and lone surrogates become
+    \\xNN / \\uNNNN escapes; longer than `limit` characters, it is cut with a count of the rest."""
+    s = text if isinstance(text, str) else str(text)
+    cut = 0
+    if limit is not None and len(s) > limit:
+        s, cut = s[:limit], len(s) - limit
+    if not s.isprintable():  # the common case needs no work
+        out = []
+        for ch in s:
+            if ch.isprintable() or ch == " ":
+                out.append(ch)
+            elif unicodedata.category(ch) == "Zs":  # no-break and other spaces
+                out.append(" ")
+            else:
+                o = ord(ch)
+                out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+        s = "".join(out)
+    return s + (f"... ({cut} more characters)" if cut else "")
 
 
 class EdgeLLMError(Exception):
-    """Base of every error edgellm raises on purpose."""
+    """Base of every error edgellm raises on purpose. `str()` is one printable line."""
+
+    def __str__(self) -> str:
+        return printable(super().__str__(), MAX_MESSAGE)
 
 
 # --- GGUF file problems ------------------------------------------------------------------------
@@ -38,6 +72,16 @@ class MissingMetadataError(GGUFError):
     """A metadata key the architecture needs is absent."""
 
 
+class MetadataValueError(GGUFError):
+    """A metadata value has the wrong type (an array where a number belongs, a number where text
+    belongs, NaN) or is out of range (0 heads, a negative epsilon, a token id past the vocabulary)."""
+
+
+class ModelShapeError(TensorShapeError):
+    """A tensor's shape disagrees with the model's metadata (head counts, widths, vocabulary) or a
+    tensor the model needs is missing."""
+
+
 class UnsupportedArchitectureError(EdgeLLMError):
     """`general.architecture` names an architecture edgellm does not implement."""
 
@@ -69,6 +113,10 @@ class TokenizerError(EdgeLLMError):
 
 class TemplateError(EdgeLLMError):
     """The chat template failed to render (or tried something the sandbox forbids)."""
+
+
+class TemplateLimitError(TemplateError):
+    """The chat template ran past a limit: output size, string size, loop steps or render time."""
 
 
 class PlanError(EdgeLLMError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from array import array
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from edgellm.errors import (
     TruncatedFileError,
     UnsupportedTensorTypeError,
     UnsupportedVersionError,
+    printable,
 )
 from edgellm.quants import QuantType, quant_type
 
@@ -44,6 +46,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+MAX_NESTING = 8  # arrays of arrays: deeper means a crafted header (Python would hit its recursion limit)
 
 # value type -> (struct code, byte size) for fixed-size scalars
 _SCALARS = {
@@ -186,6 +189,7 @@ class _Cursor:
         self.pos = 0
         self.path = path
         self.what = "header"
+        self.depth = 0  # arrays of arrays being read
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
@@ -247,7 +251,13 @@ class _Cursor:
             return StringArray.from_records(buf[start:pos], lengths)
         if etype == GGUFValueType.ARRAY:
             self.need(count * 12)
-            return [self.array() for _ in range(count)]
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise GGUFError(f"{self.path}: corrupt header: arrays nested more than {MAX_NESTING} "
+                                f"deep in {self.what}")
+            items = [self.array() for _ in range(count)]
+            self.depth -= 1
+            return items
         try:
             dtype = np.dtype(_NP_DTYPES[GGUFValueType(etype)]).newbyteorder("<")
         except (ValueError, KeyError):
@@ -265,7 +275,12 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            self.file_size = self.path.stat().st_size
+            st = self.path.stat()
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+                # a FIFO would block open() until a writer appears; a device or socket is no model
+                raise GGUFError(f"{self.path}: not a regular file (a pipe, socket or device); "
+                                "pass a .gguf file")
+            self.file_size = st.st_size
             fh = open(self.path, "rb")
         except FileNotFoundError:
             from edgellm.errors import ModelNotFoundError
@@ -284,7 +299,14 @@ class GGUFFile:
                 )
             if self.file_size < 24:
                 raise TruncatedFileError(f"{self.path}: file truncated ({self.file_size} bytes, header needs 24)")
-            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # ENOMEM: no address space left for the map
+                from edgellm.errors import OutOfMemoryError
+
+                raise OutOfMemoryError(
+                    f"{self.path}: cannot map the {self.file_size}-byte file into memory "
+                    f"({getattr(exc, 'strerror', None) or exc}); close other models or programs") from None
         self._parse()
         # The header (a vocabulary's strings and scores: 6 MiB for a 262k one) has been copied
         # out; its pages would otherwise stay resident for the life of the map. They are clean
@@ -318,7 +340,7 @@ class GGUFFile:
         for i in range(n_kv):
             cur.what = f"metadata key #{i}"
             key = cur.string()
-            cur.what = f"metadata value of '{key}'"
+            cur.what = f"metadata value of '{printable(key)}'"
             vtype = cur.u32()
             self.metadata[key] = cur.value(vtype)
             self.metadata_types[key] = vtype
@@ -327,10 +349,11 @@ class GGUFFile:
         for i in range(n_tensors):
             cur.what = f"tensor info #{i}"
             name = cur.string()
-            cur.what = f"tensor info of '{name}'"
+            cur.what = f"tensor info of '{printable(name)}'"
             n_dims = cur.u32()
             if not 1 <= n_dims <= MAX_DIMS:
-                raise TensorShapeError(f"{self.path}: tensor '{name}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+                raise TensorShapeError(
+                    f"{self.path}: tensor '{printable(name)}' has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
             ne = tuple(cur.u64() for _ in range(n_dims))
             type_id = cur.u32()
             offset = cur.u64()
@@ -338,7 +361,7 @@ class GGUFFile:
 
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFError(f"{self.path}: general.alignment = {alignment!r} is not a power of two")
+            raise GGUFError(f"{self.path}: general.alignment = {printable(repr(alignment))} is not a power of two")
         self.alignment = alignment
         self.data_offset = (cur.pos + alignment - 1) // alignment * alignment
         self._map = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -347,17 +370,18 @@ class GGUFFile:
             self.tensors[name] = self._tensor_info(name, ne, type_id, offset)
 
     def _tensor_info(self, name: str, ne: tuple[int, ...], type_id: int, offset: int) -> TensorInfo:
+        shown = printable(name)  # for messages: a name from the file may hold anything
         if name in self.tensors:
-            raise GGUFError(f"{self.path}: tensor '{name}' appears twice in the header")
+            raise GGUFError(f"{self.path}: tensor '{shown}' appears twice in the header")
         try:
             qtype = quant_type(type_id)
         except UnsupportedTensorTypeError as exc:
-            raise UnsupportedTensorTypeError(f"{self.path}: tensor '{name}': {exc}") from None
+            raise UnsupportedTensorTypeError(f"{self.path}: tensor '{shown}': {exc}") from None
         if any(d <= 0 for d in ne) or any(d >= 1 << 40 for d in ne):
-            raise TensorShapeError(f"{self.path}: tensor '{name}' has an invalid shape {list(ne)}")
+            raise TensorShapeError(f"{self.path}: tensor '{shown}' has an invalid shape {list(ne)}")
         if ne[0] % qtype.block_size:
             raise TensorShapeError(
-                f"{self.path}: tensor '{name}' rows of {ne[0]} elements are not a whole number of "
+                f"{self.path}: tensor '{shown}' rows of {ne[0]} elements are not a whole number of "
                 f"{qtype.name} blocks ({qtype.block_size} elements each)"
             )
         n_elements = 1
@@ -366,17 +390,17 @@ class GGUFFile:
         nbytes = n_elements // qtype.block_size * qtype.type_size
         if offset % self.alignment:
             raise TensorBoundsError(
-                f"{self.path}: tensor '{name}' offset {offset} is not aligned to {self.alignment} bytes (corrupt file)"
+                f"{self.path}: tensor '{shown}' offset {offset} is not aligned to {self.alignment} bytes (corrupt file)"
             )
         start = self.data_offset + offset
         if start >= self.file_size:
             raise TensorBoundsError(
-                f"{self.path}: tensor '{name}' starts at byte {start}, past the end of the "
+                f"{self.path}: tensor '{shown}' starts at byte {start}, past the end of the "
                 f"{self.file_size}-byte file (corrupt header or truncated file)"
             )
         if start + nbytes > self.file_size:
             raise TruncatedFileError(
-                f"{self.path}: tensor '{name}' ({qtype.name}, {list(ne)}, {nbytes} bytes at byte {start}) "
+                f"{self.path}: tensor '{shown}' ({qtype.name}, {list(ne)}, {nbytes} bytes at byte {start}) "
                 f"reaches past the end of the {self.file_size}-byte file: the file is truncated; re-download it"
             )
         return TensorInfo(name, qtype, ne, start, nbytes, self)
@@ -385,10 +409,16 @@ class GGUFFile:
     @cached_property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
+        if arch is None:
             from edgellm.errors import MissingMetadataError
 
             raise MissingMetadataError(f"{self.path}: metadata key 'general.architecture' is missing")
+        if not isinstance(arch, str):
+            from edgellm.errors import MetadataValueError
+            from edgellm.validate import describe
+
+            raise MetadataValueError(f"{self.path}: metadata key 'general.architecture' is "
+                                     f"{describe(arch)}; expected a string (corrupt or hostile file)")
         return arch
 
     def tensor(self, name: str) -> TensorInfo:
@@ -397,7 +427,7 @@ class GGUFFile:
         except KeyError:
             from edgellm.errors import MissingMetadataError
 
-            raise MissingMetadataError(f"{self.path}: required tensor '{name}' is missing") from None
+            raise MissingMetadataError(f"{self.path}: required tensor '{printable(name)}' is missing") from None
 
     def close(self) -> None:
         self._map = None

@@ -259,6 +259,9 @@ class Tokenizer:
     # --- construction from metadata ---------------------------------------------------------
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        from edgellm.validate import check_tokenizer
+
+        check_tokenizer(md)  # types of every tokenizer key, token types and role ids in range
         model = md.get("tokenizer.ggml.model")
         if model not in _MODELS:
             raise TokenizerError(
@@ -543,7 +546,7 @@ def _special_buckets(tokens: list[str], attrs: np.ndarray,
     if not parse_special:                      # then only USER_DEFINED tokens are
         matched &= (attrs & _HIDDEN_ATTRS) == 0
     ids = np.flatnonzero(matched).tolist()
-    ordered = sorted(ids, key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+    ordered = sorted(ids, key=lambda i: (-len(tokens[i].encode("utf-8", "surrogateescape")), i))
     buckets: dict[str, list[tuple[int, str, int]]] = {}
     for rank, tid in enumerate(ordered):
         buckets.setdefault(tokens[tid][:2], []).append((rank, tokens[tid], tid))

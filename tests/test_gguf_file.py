@@ -28,7 +28,7 @@ def write_tiny(path, *, arch="llama", drop_key=None, tensor_type=gguf.GGMLQuanti
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(16)])
     rng = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", rng.standard_normal((16, 32)).astype(np.float32))
-    q = gguf.quants.quantize(rng.standard_normal((8, 32)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    q = gguf.quants.quantize(rng.standard_normal((32, 32)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
     w.write_header_to_file()
@@ -64,8 +64,8 @@ def test_reads_metadata_and_tensors_as_views(tiny):
     assert f.metadata["llama.embedding_length"] == 32
     assert f.metadata["tokenizer.ggml.tokens"][:3] == ["t0", "t1", "t2"]
     t = f.tensors["blk.0.attn_q.weight"]
-    assert t.qtype.name == "Q8_0" and t.ne == (32, 8) and t.shape == (8, 32)
-    assert t.data.shape == (8, 34)
+    assert t.qtype.name == "Q8_0" and t.ne == (32, 32) and t.shape == (32, 32)
+    assert t.data.shape == (32, 34)
     assert np.shares_memory(t.data, f._map)  # a view of the mapping, not a copy
     emb = f.tensors["token_embd.weight"].as_float32()
     expected = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)

@@ -1,4 +1,8 @@
-"""`edgellm info MODEL [--json]`: what a GGUF file holds, from its header alone."""
+"""`edgellm info MODEL [--json]`: what a GGUF file holds, from its header alone.
+
+Everything shown comes from a file that may be hostile: the header is validated by
+`ModelConfig.from_gguf` first, and text from it is printed escaped (`errors.printable`): no control
+characters or escape sequences reach the terminal (JSON escapes them itself)."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +77,7 @@ def run(args) -> int:
 
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
+    from edgellm.errors import printable
     from edgellm.memory import format_size
 
     gf = GGUFFile(resolve_model(args.model))
@@ -81,11 +86,11 @@ def run(args) -> int:
         print(json.dumps(d, indent=2))
         return 0
     r = d["rope"]
-    tk = d["tokenizer"]
+    tk = {k: printable(v) for k, v in d["tokenizer"].items()}  # text from the file: escaped, cut
     lines = [
-        f"file          {d['file']}  ({format_size(d['file_size'])}, GGUF v{d['gguf_version']})",
-        f"model         {d['name']}  [{d['architecture']}]  {d['n_params'] / 1e6:.1f} M params, "
-        f"{d['bits_per_weight']} bits/weight",
+        f"file          {printable(d['file'], None)}  ({format_size(d['file_size'])}, GGUF v{d['gguf_version']})",
+        f"model         {printable(d['name'], None)}  [{printable(d['architecture'])}]  "
+        f"{d['n_params'] / 1e6:.1f} M params, {d['bits_per_weight']} bits/weight",
         f"layers        {d['n_layer']}    n_embd {d['n_embd']}    n_ff {d['n_ff']}",
         f"heads         {d['n_head']} q / {d['n_head_kv']} kv    head_dim {d['head_dim']}",
         f"context       {d['context_length']} (trained)",
