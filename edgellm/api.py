@@ -33,6 +33,44 @@ def default_threads() -> int:
     return n if idle is None else max(1, min(n, int(idle + 0.25)))
 
 
+def _int_arg(name: str, value, lo: int = 1, hi: int = 2**31 - 1) -> int:
+    """value as an int in [lo, hi], or an InvalidArgumentError naming the parameter."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or int(value) != value \
+            or not lo <= value <= hi:
+        raise InvalidArgumentError(f"{name} must be an integer in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+def _real_arg(name: str, value) -> float:
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def token_ids(tokens, n_vocab: int, what: str = "tokens") -> list[int]:
+    """A list of token ids (ints in 0..n_vocab-1, NumPy integers included), or an InvalidArgumentError."""
+    import numbers
+
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise InvalidArgumentError(f"{what} must be a list of token ids (integers), got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidArgumentError(f"{what} must be integers; got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise InvalidArgumentError(f"token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+        out.append(int(t))
+    return out
+
+
+SAMPLING_ARGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "stop",
+                 "ignore_eos")
+
+
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
          quiet: bool = True) -> "Model":
@@ -45,14 +83,18 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
 
-    if threads is not None and (int(threads) != threads or threads < 1):
-        raise InvalidArgumentError(f"threads must be an integer >= 1, got {threads}")
-    if int(n_ctx) != n_ctx or n_ctx < 1 or int(n_batch) != n_batch or n_batch < 1:
-        raise InvalidArgumentError(f"n_ctx and n_batch must be integers >= 1 (got {n_ctx}, {n_batch})")
-    if isinstance(n_seq, bool) or int(n_seq) != n_seq or n_seq < 1:
-        raise InvalidArgumentError(f"n_seq must be an integer >= 1 (sequences decoded together), got {n_seq!r}")
-    if kv_size is not None and (int(kv_size) != kv_size or kv_size < 1):
-        raise InvalidArgumentError(f"kv_size must be a number of tokens >= 1, got {kv_size!r}")
+    import os as _os
+
+    if path is not None and not isinstance(path, (str, _os.PathLike)):
+        raise InvalidArgumentError(f"path must be a file path or a known model name, got {type(path).__name__}")
+    if threads is not None:
+        threads = _int_arg("threads", threads, 1, 1024)
+    n_ctx, n_batch = _int_arg("n_ctx", n_ctx), _int_arg("n_batch", n_batch)
+    n_seq = _int_arg("n_seq (sequences decoded together)", n_seq, 1, 4096)
+    if kv_size is not None:
+        kv_size = _int_arg("kv_size (tokens in the KV pool)", kv_size)
+    if gpu_layers != "auto":
+        gpu_layers = _int_arg("gpu_layers (N, -1 for all, or 'auto')", gpu_layers, -1, 1 << 20)
     from edgellm.kv_cache import kv_type as _check_kv_type
     from edgellm.scheduler import POLICIES
 
@@ -127,7 +169,7 @@ class Model:
         return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Iterable[int]) -> str:
-        return self.tokenizer.detokenize(list(tokens))
+        return self.tokenizer.detokenize(token_ids(tokens, self.n_vocab))
 
     # --- evaluation -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -160,16 +202,12 @@ class Model:
             bos = self.tokenizer.bos_id
             if len(ids) >= 2 and bos is not None and ids[0] == bos and ids[1] == bos:
                 ids = ids[1:]  # a template that writes BOS itself
+        elif prompt is None or isinstance(prompt, bytes):
+            raise InvalidArgumentError("the prompt must be a str or a list of token ids")
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise InvalidArgumentError("the prompt must be a str or a list of token ids") from None
+            ids = token_ids(prompt, self.n_vocab, "a prompt of token ids")
         if not ids:
             raise InvalidArgumentError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.n_vocab]
-        if bad:
-            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
 
     def submit(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
@@ -181,14 +219,20 @@ class Model:
         logprobs=k: every Chunk carries the sampled token's logprob and the k most likely."""
         from edgellm.sampling import Sampler, SamplingParams
 
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed)
-        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 0:
-            raise InvalidArgumentError(f"max_tokens must be an integer >= 0, got {max_tokens}")
-        if logprobs is not None and (int(logprobs) != logprobs or not 0 <= logprobs <= 20):
-            raise InvalidArgumentError(f"logprobs must be an integer in 0..20, got {logprobs}")
+        params = SamplingParams(temperature=_real_arg("temperature", temperature), top_k=_int_arg("top_k", top_k, 0),
+                                top_p=_real_arg("top_p", top_p), min_p=_real_arg("min_p", min_p),
+                                repeat_penalty=_real_arg("repeat_penalty", repeat_penalty),
+                                seed=None if seed is None else _int_arg("seed", seed, 0, 2**63 - 1))
+        max_tokens = _int_arg("max_tokens", max_tokens, 0)
+        if logprobs is not None:
+            logprobs = _int_arg("logprobs", logprobs, 0, 20)
+        if stop is None:
+            stop = ()
         if isinstance(stop, str):
-            stop = [stop]
+            stop = [stop]  # one stop string (not its characters)
+        stop = list(stop) if hasattr(stop, "__iter__") else [stop]
+        if not all(isinstance(x, str) for x in stop):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
         ids = self._prompt_ids(prompt)
         stream = SeqStream(self.tokenizer, list(stop), int(max_tokens), ignore_eos, self.n_ctx)
         req = self.engine.submit(ids, Sampler(params), stream, logprobs)
@@ -242,6 +286,10 @@ class Model:
 
     def chat(self, messages, **sampling) -> Iterator[Chunk]:
         """Render `messages` with the file's chat template (ChatML if it has none) and stream the reply."""
+        unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+        if unknown:
+            raise InvalidArgumentError(f"chat() got an unknown argument {unknown[0]!r}; it takes "
+                                       f"{', '.join(SAMPLING_ARGS)}")
         prompt = self.render_chat(messages)
         return self.generate(prompt, **sampling)
 

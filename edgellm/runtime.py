@@ -241,8 +241,12 @@ class Runtime:
         return out
 
     def _ids(self, tokens) -> np.ndarray:
-        ids = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.n_vocab):
-            bad = int(ids[(ids < 0) | (ids >= self.cfg.n_vocab)][0])
-            raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
-        return ids
+        if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
+            ids = tokens.astype(np.int64, copy=False).reshape(-1)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.n_vocab):
+                bad = int(ids[(ids < 0) | (ids >= self.cfg.n_vocab)][0])
+                raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+            return ids
+        from edgellm.api import token_ids
+
+        return np.asarray(token_ids(tokens, self.cfg.n_vocab), dtype=np.int64)

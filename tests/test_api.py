@@ -109,3 +109,41 @@ def test_logits_from_a_position_skip_the_head_for_earlier_rows(model):
     np.testing.assert_array_equal(model.logits(ids, first=80), full[80:])
     with pytest.raises(edgellm.EdgeLLMError, match="first"):
         model.logits(ids, first=100)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.eval([2**63]), "outside the vocabulary"),
+    (lambda m: m.eval(None), "list of token ids"),
+    (lambda m: m.eval(["a"]), "integers"),
+    (lambda m: m.eval([1.7]), "integers"),  # was silently token 1
+    (lambda m: m.logits("abc"), "list of token ids"),
+    (lambda m: m.detokenize("abc"), "list of token ids"),
+    (lambda m: list(m.generate(None)), "str or a list of token ids"),
+    (lambda m: list(m.generate("Hi", stop=[1])), "stop"),
+    (lambda m: list(m.generate("Hi", seed="x")), "seed"),
+    (lambda m: list(m.generate("Hi", temperature="hot")), "temperature"),
+    (lambda m: list(m.generate("Hi", max_tokens="x")), "max_tokens"),
+    (lambda m: list(m.chat([{"role": "user", "content": "Hi"}], foo=1)), "unknown argument 'foo'"),
+])
+def test_api_arguments_of_the_wrong_type_are_clear_errors(model, call, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        call(model)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_ctx="abc"), "n_ctx"), (dict(n_ctx=float("nan")), "n_ctx"), (dict(gpu_layers="abc"), "gpu_layers"),
+    (dict(threads=0), "threads"), (dict(n_seq=True), "n_seq"), (dict(kv_size=-5), "kv_size"),
+])
+def test_load_arguments_are_checked_before_anything_loads(smollm2_path, kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        edgellm.load(smollm2_path, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="path"):
+        edgellm.load(12345)
+
+
+def test_a_stop_string_is_one_string_and_none_is_no_stop(model):
+    text = "".join(c.text for c in model.generate("1, 2, 3, 4, 5, 6, 7,", max_tokens=12, temperature=0))
+    cut = text[len(text) // 2:][:3]
+    assert cut and "".join(c.text for c in model.generate("1, 2, 3, 4, 5, 6, 7,", max_tokens=12, temperature=0,
+                                                          stop=cut)) == text[:text.index(cut)]
+    assert len(list(model.generate("Hi", max_tokens=3, temperature=0, stop=None, ignore_eos=True))) == 3
