@@ -372,7 +372,7 @@ class CPUBackend(NumpyBackend):
         for t0, t1 in chunks:
             keys = kmap[kbeg[t0]:kend[t0]]
             used = len(keys)
-            if used and keys[-1] - keys[0] == used - 1:  # contiguous slots: views, no gather
+            if used and keys[-1] - keys[0] == used - 1 and (np.diff(keys) == 1).all():  # contiguous: views
                 kk, vv, kp = kc[keys[0]:keys[0] + used], vc[keys[0]:keys[0] + used], kv.pos[keys[0]:keys[0] + used]
             else:
                 kk, vv, kp = kc[keys], vc[keys], kv.pos[keys]

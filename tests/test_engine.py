@@ -165,9 +165,10 @@ def test_a_pool_too_small_preempts_and_every_request_finishes(smollm2_path):
 def test_static_policy_waits_for_the_whole_batch(smollm2_path):
     m = edgellm.load(smollm2_path, n_ctx=256, n_batch=64, n_seq=2, policy="static")
     try:
-        short = m.submit(PROMPTS[0], max_tokens=2, **GREEDY)
-        long = m.submit(PROMPTS[1], max_tokens=24, **GREEDY)
-        third = m.submit(PROMPTS[2], max_tokens=2, **GREEDY)
+        with m._lock:  # the engine steps only once all three wait (else the first may start alone)
+            short = m.submit(PROMPTS[0], max_tokens=2, **GREEDY)
+            long = m.submit(PROMPTS[1], max_tokens=24, **GREEDY)
+            third = m.submit(PROMPTS[2], max_tokens=2, **GREEDY)
         list(short)
         wait_for(lambda: third.stats.ttft_s > 0)
         list(long)

@@ -183,3 +183,23 @@ def test_context_full_is_a_clear_error(synthetic):
         next(model.generate(list(range(1, 18)), max_tokens=4))
     with pytest.raises(edgellm.errors.InvalidArgumentError, match="outside the vocabulary"):
         model.eval([SHAPE["n_vocab"] + 5])
+
+
+def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(synthetic):
+    """A sequence whose blocks are not consecutive in the pool (blocks recycled from other
+    sequences) attends exactly as on consecutive blocks. Here it holds blocks 0, 3, 2 while another
+    sequence holds block 1: its first and last slots (0 and 47) are 48 apart like consecutive
+    blocks', so a first/last contiguity check would read block 1's keys instead of block 3's."""
+    path = synthetic("llama", T.Q8_0)
+    ids = np.array((TOKENS * 3)[:44], np.int64)
+    want = runtime(path, {"cpu": CPUBackend()}, n_ctx=64, n_batch=64).logits(ids)
+    rt = runtime(path, {"cpu": CPUBackend()}, n_ctx=64, n_batch=64)  # one sequence's pool: 4 blocks
+    pool = rt.cache.groups[0].pool
+    other, mine = rt.cache.new_sequence(), rt.cache.new_sequence()
+    pool.free = [1]
+    assert other.grow(16) and other.tables[0] == [1]
+    rt.forward([(other, np.array(TOKENS[:16][::-1], np.int64))])  # other keys, positions 0..15
+    pool.free = [2, 3, 0]  # allocate() pops from the end: 0, 3, 2
+    assert mine.grow(len(ids)) and mine.tables[0] == [0, 3, 2]
+    got = rt.forward([(mine, ids)])
+    np.testing.assert_array_equal(got, want)

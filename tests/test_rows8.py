@@ -1,29 +1,41 @@
 """The eight-row decode kernels (kernels/cpu/rows8.py) and the Q4_0 eight-rows x four-tokens prompt
 tile give each row the one-row kernel's result bit for bit (same float order), including the rows
 and tokens left over after the groups of eight rows / four tokens."""
+import functools
+
 import numpy as np
 import pytest
-from edgellm.kernels import cpu
-from edgellm.kernels.cpu.common import U, njit
-from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.legacy import _row_q4_0
 from gguf import GGMLQuantizationType as GGMLType
 from quant_blocks import random_rows
 
+# The kernels are imported when a test runs, not at collection: a pytest process that loaded
+# numba (LLVM) while collecting would share libllvmlite's pages with every subprocess a test starts,
+# and the ledger test's check that a model hands LLVM's pages back would see them stay resident.
 
-@njit(cache=False)
-def one_row_products(kind, raw, xq, xd, xs, n_tok, out):
-    """out (n_tok, n_rows): every (token, row) by the one-row kernel, row after row."""
-    nb = U(xd.size // n_tok)
-    for t in range(n_tok):
-        for r in range(raw.shape[0]):
-            if kind == 0:
-                out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
-            else:
-                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+
+@functools.lru_cache(maxsize=1)
+def kernels():
+    from edgellm.kernels import cpu
+    from edgellm.kernels.cpu.common import U, njit
+    from edgellm.kernels.cpu.kquants import _row_q4_k
+    from edgellm.kernels.cpu.legacy import _row_q4_0
+
+    @njit(cache=False)
+    def one_row_products(kind, raw, xq, xd, xs, n_tok, out):
+        """out (n_tok, n_rows): every (token, row) by the one-row kernel, row after row."""
+        nb = U(xd.size // n_tok)
+        for t in range(n_tok):
+            for r in range(raw.shape[0]):
+                if kind == 0:
+                    out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
+                else:
+                    out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+
+    return cpu, one_row_products
 
 
 def activations(t, x):
+    cpu, one_row_products = kernels()
     xa = cpu.quantize(cpu.activation_format(t), x.reshape(-1))
     return xa.parts
 
@@ -31,6 +43,7 @@ def activations(t, x):
 @pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_rows", [8, 45, 131])
 def test_matvec_eight_rows_equal_the_one_row_kernel(t, n_rows):
+    cpu, one_row_products = kernels()
     rng = np.random.default_rng(n_rows)
     n_cols = 2048
     raw = random_rows(t, n_rows, n_cols, seed=n_rows)
@@ -46,6 +59,7 @@ def test_matvec_eight_rows_equal_the_one_row_kernel(t, n_rows):
 
 @pytest.mark.parametrize("n_tok", [4, 6, 11])
 def test_q4_0_prompt_tiles_equal_the_one_row_kernel(n_tok):
+    cpu, one_row_products = kernels()
     rng = np.random.default_rng(n_tok)
     n_rows, n_cols = 37, 1024
     raw = random_rows(GGMLType.Q4_0, n_rows, n_cols, seed=n_tok)
