@@ -122,6 +122,9 @@ class Request:
     def _put(self, item) -> None:
         self._queue.put(item)
 
+    def _ready(self) -> bool:
+        return not self._queue.empty()
+
     # --- the caller side -----------------------------------------------------------------------
     def __iter__(self):
         return self
@@ -129,7 +132,18 @@ class Request:
     def __next__(self) -> Chunk:
         if self.done:
             raise StopIteration
-        item = self._queue.get()
+        while True:  # run the engine's steps in this thread while no other thread does
+            try:
+                item = self._queue.get_nowait()
+                break
+            except queue.Empty:
+                pass
+            if not self._engine.drive(self):  # no work left for the engine: the chunk is on its way
+                try:
+                    item = self._queue.get(timeout=0.02)
+                    break
+                except queue.Empty:
+                    continue
         if item is _END:
             self.done = True
             raise StopIteration

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -26,6 +27,7 @@ from edgellm.generate import _END, Request, SeqStream, Stats, logprobs_of, now
 
 POLICIES = ("continuous", "static")
 IDLE_S = 2.0  # the engine thread ends after this long without work
+HANDOFF_S = 0.05  # the engine thread leaves the steps to a caller that ran one this recently
 
 
 class SeqState:
@@ -75,6 +77,8 @@ class Engine:
         self.running: list[SeqState] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._driven_at = 0.0  # when a caller last ran a step (Engine.drive)
+        self._shapes: set = set()  # (entries, tokens) of the steps run so far
         self.counters = dict(requests=0, finished=0, cancelled=0, preemptions=0, prompt_tokens=0,
                              cached_tokens=0, gen_tokens=0, steps=0)
 
@@ -96,6 +100,7 @@ class Engine:
         with self._cv:
             self.waiting.append(state)
             self.counters["requests"] += 1
+            self._driven_at = max(self._driven_at, now())  # the caller iterating it gets to drive first
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="edgellm-engine", daemon=True)
                 self._thread.start()
@@ -130,8 +135,9 @@ class Engine:
 
     # --- the engine thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        """Steps while there is work; the thread ends after IDLE_S without any (so an unused model
-        holds no thread, and a dropped one can be freed), and submit starts a new one."""
+        """Steps while there is work and no caller drives the engine; the thread ends after IDLE_S
+        without any (so an unused model holds no thread, and a dropped one can be freed), and
+        submit starts a new one."""
         while True:
             with self._cv:
                 if not (self.waiting or self.running or self._closed):
@@ -139,11 +145,41 @@ class Engine:
                 if not (self.waiting or self.running):
                     self._thread = None
                     return
-            try:
-                with self.lock:
-                    self.step()
-            except BaseException as e:  # a failed step fails its sequences, not the engine
-                self._fail_all(e)
+            if not self._run_step(blocking=True, unless_driven=True):
+                time.sleep(HANDOFF_S)  # a caller iterating a Request runs the steps
+
+    def drive(self, waiting_for=None) -> bool:
+        """Run one step in the calling thread (a caller waiting for its Request's next chunk; it
+        waits for a step another thread is running first). Numba's OpenMP kernels run at full speed
+        only from the thread that started them (from another thread SmolLM2 decodes at ~0.4x), so
+        the thread that loaded the model and iterates its results should run the steps; the engine
+        thread steps only when nobody iterates. True if a step ran or `waiting_for` (a Request) has
+        a chunk now."""
+        self._driven_at = now()
+        ran = self._run_step(blocking=True, unless_ready=waiting_for)
+        self._driven_at = now()
+        return ran
+
+    def _run_step(self, blocking: bool, unless_driven: bool = False, unless_ready=None) -> bool:
+        if unless_driven and now() - self._driven_at < HANDOFF_S:
+            return False
+        if not self.lock.acquire(blocking=blocking):
+            return False
+        try:
+            if unless_driven and now() - self._driven_at < HANDOFF_S:
+                return False
+            if unless_ready is not None and unless_ready._ready():
+                return True
+            with self._cv:
+                if not (self.waiting or self.running):
+                    return False
+            self.step()
+            return True
+        except BaseException as e:  # a failed step fails its sequences, not the engine
+            self._fail_all(e)
+            return True
+        finally:
+            self.lock.release()
 
     def _fail_all(self, e: BaseException) -> None:
         with self._cv:
@@ -278,7 +314,10 @@ class Engine:
                     s.device_s[d] = s.device_s.get(d, 0.0) + sec
         for i, s in enumerate(samplers):
             self._sample(s, logits[i])
-        self.runtime._release_compiler()
+        shape = (len(entries), t)
+        if shape not in self._shapes:  # a batch of a new shape may have loaded kernels
+            self._shapes.add(shape)
+            self.runtime._release_compiler()
 
     def _sample(self, s: SeqState, logits: np.ndarray) -> None:
         tok = s.sampler(logits, s.history)

@@ -203,3 +203,27 @@ def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(syntheti
     assert mine.grow(len(ids)) and mine.tables[0] == [0, 3, 2]
     got = rt.forward([(mine, ids)])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch):
+    """A step of decode tokens from 3 sequences (each through the fused one-token block on its own
+    key list) gives each the logits of decoding it alone, bit for bit."""
+    from edgellm.runtime import Runtime  # noqa: F401
+
+    path = synthetic(arch, T.Q4_K)
+    prompts = [TOKENS[:7], TOKENS[3:15], TOKENS[8:10]]
+    rt = runtime(path, {"cpu": CPUBackend()}, n_ctx=64, n_batch=16)
+    alone = []
+    for p in prompts:
+        seq = rt.cache.new_sequence()
+        assert seq.grow(len(p) + 1)
+        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+        alone.append(rt.forward([(seq, np.array([5]))], rows=[0])[0])
+        seq.free()
+    seqs = [rt.cache.new_sequence() for _ in prompts]
+    for seq, p in zip(seqs, prompts):
+        assert seq.grow(len(p) + 1)
+        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+    together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=[0, 1, 2])
+    np.testing.assert_array_equal(together, np.stack(alone))
