@@ -112,6 +112,8 @@ class BlockPool:
         self.hash_of: dict[int, int] = {}  # block -> hash (full blocks only)
         self.block_of: dict[int, int] = {}  # hash -> block
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
+        self.partial: dict[int, int] = {}  # hash of the full blocks before it -> a partial block
+        self.partial_tokens: dict[int, tuple] = {}  # partial block -> (that hash, its tokens)
 
     # --- counts -------------------------------------------------------------------------------
     @property
@@ -135,7 +137,10 @@ class BlockPool:
             b = self.free.pop()
         elif self.lru:
             b, _ = self.lru.popitem(last=False)
-            del self.block_of[self.hash_of.pop(b)]
+            if b in self.hash_of:
+                del self.block_of[self.hash_of.pop(b)]
+            else:  # a sequence's last, partial block
+                del self.partial[self.partial_tokens.pop(b)[0]]
         else:
             return None
         self.ref[b] = 1
@@ -149,10 +154,24 @@ class BlockPool:
     def release(self, b: int) -> None:
         self.ref[b] -= 1
         if self.ref[b] == 0:
-            if b in self.hash_of:
+            if b in self.hash_of or b in self.partial_tokens:
                 self.lru[b] = None  # kept for prefix reuse until the pool needs it
             else:
                 self.free.append(b)
+
+    def keep_partial(self, b: int, parent: int, tokens: tuple) -> None:
+        """Block b, about to be released, holds a sequence's last tokens (fewer than a block) after
+        the full blocks hashed to `parent`: a later prompt with the same start may copy them."""
+        if b in self.hash_of:
+            return
+        old = self.partial.pop(parent, None)  # the latest sequence's tail replaces an older one
+        if old is not None:
+            self.partial_tokens.pop(old, None)
+            if self.ref[old] == 0 and old in self.lru:
+                del self.lru[old]
+                self.free.append(old)
+        self.partial[parent] = b
+        self.partial_tokens[b] = (parent, tokens)
 
     def register(self, b: int, h: int) -> None:
         """Block b is full and holds the tokens hashed to h: others may share it from now on."""
@@ -326,7 +345,8 @@ class SeqKV:
         # a sliding-window group needs only the blocks inside the window before the cut
         while n > 0 and not all(self._window_present(g, hashes, n) for g in groups if g.window > 0):
             n -= 1
-        if n == 0:
+        k, partials = self._partial_match(tokens, hashes, n)
+        if n == 0 and k == 0:
             return 0
         for gi, g in enumerate(groups):
             first = 0 if g.window == 0 else self._first_needed_block(g.window, n * bs)
@@ -341,7 +361,39 @@ class SeqKV:
         self.hashes = hashes[:n]
         self.n_registered = n
         self.tokens = list(tokens[: n * bs])
-        return n * bs
+        if k:  # the partial block's first k tokens, copied into a block of this sequence's own
+            for gi, (g, src) in enumerate(zip(groups, partials)):
+                g.pool.share(src)  # held while copying: allocate() must not hand it out
+                dst = g.pool.allocate()
+                g.pool.release(src)
+                for il in g.layers:
+                    lk = self.cache.layers[il]
+                    lk.k[dst * bs:dst * bs + k] = lk.k[src * bs:src * bs + k]
+                    lk.v[dst * bs:dst * bs + k] = lk.v[src * bs:src * bs + k]
+                g.slot_pos[dst * bs:dst * bs + k] = g.slot_pos[src * bs:src * bs + k]
+                self.tables[gi].append(dst)
+            self.tokens += list(tokens[n * bs:n * bs + k])
+        return n * bs + k
+
+    def _partial_match(self, tokens, hashes, n: int) -> tuple[int, list]:
+        """(k, blocks): the first k tokens after the n shared blocks are at the start of a kept
+        partial block in every group (k leaves the prompt's last token to evaluate); 0 if not, or
+        if a group has no block to copy them into."""
+        bs = self.cache.block_size
+        parent = hashes[n - 1] if n else 0
+        rest = tuple(tokens[n * bs:len(tokens) - 1])
+        blocks, k = [], bs
+        for g in self.cache.groups:
+            b = g.pool.partial.get(parent)
+            if b is None or g.pool.n_available < 2:
+                return 0, []
+            kept = g.pool.partial_tokens[b][1]
+            m = 0
+            while m < min(len(kept), len(rest)) and kept[m] == rest[m]:
+                m += 1
+            k = min(k, m)
+            blocks.append(b)
+        return (k, blocks) if k > 0 else (0, [])
 
     def _first_needed_block(self, window: int, n_pos: int) -> int:
         """First block a query at position >= n_pos can still see with this window; rounded down to
@@ -397,7 +449,17 @@ class SeqKV:
         self.n_registered = n_full
 
     def free(self) -> None:
-        """Give every block back (full ones stay cached for reuse)."""
+        """Give every block back (full ones stay cached for reuse, and so does the last, partial one:
+        a chat's next turn starts with all of this sequence's tokens)."""
+        bs = self.cache.block_size
+        n_full = self.n_past // bs
+        if self.n_past % bs and n_full == len(self.hashes):
+            parent = self.hashes[-1] if self.hashes else 0
+            tail = tuple(self.tokens[n_full * bs:])
+            for gi, g in enumerate(self.cache.groups):
+                b = self.tables[gi][n_full] if n_full < len(self.tables[gi]) else None
+                if b is not None and g.pool.ref[b] == 1:
+                    g.pool.keep_partial(b, parent, tail)
         for gi, g in enumerate(self.cache.groups):
             for b in self.tables[gi]:
                 if b is not None:

@@ -112,8 +112,9 @@ def test_a_chat_turn_reuses_the_conversation_in_the_cache(model):
     second = model.submit(prompt2, max_tokens=8, temperature=0)
     second.text()
     n1 = first.stats.prompt_tokens
-    # at least the first turn's prompt, in whole blocks, came from the cache
-    assert second.stats.cached_tokens >= n1 // 16 * 16 > 0
+    # at least the whole first prompt came from the cache (its full blocks shared, the tokens of its
+    # last, partial block copied)
+    assert second.stats.cached_tokens >= n1 > 16
     assert second.stats.prompt_tokens - second.stats.cached_tokens < second.stats.prompt_tokens - n1 + 16
     assert model.engine_stats()["cached_tokens_total"] >= second.stats.cached_tokens
 

@@ -77,9 +77,9 @@ def test_prefix_is_shared_and_only_whole_blocks_before_the_last_token_are_reused
     a.free()
     b.free()
     c.free()
-    assert pool.n_used == 0 and pool.n_cached == 2  # the two full blocks stay for reuse
+    assert pool.n_used == 0 and pool.n_cached == 3  # the two full blocks and a's tail stay for reuse
     d = kv.new_sequence()
-    assert d.reuse_prefix(prompt + [1]) == 2 * BLOCK_SIZE  # a later request still finds them
+    assert d.reuse_prefix(prompt[:32] + [1]) == 2 * BLOCK_SIZE  # a later request still finds them
 
 
 def test_a_different_token_stops_the_reuse_at_its_block():
@@ -157,3 +157,28 @@ def test_hadamard_rotation_is_orthonormal_and_sized_like_llama_cpp():
     np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
     rotate(y, hadamard(64))
     np.testing.assert_allclose(y, x, atol=1e-5)
+
+
+def test_a_sequences_partial_last_block_is_copied_for_the_next_turn():
+    kv = cache()
+    lk = kv.layers[0]
+    a = kv.new_sequence()
+    turn1 = list(range(40))  # 2 full blocks + 8 tokens
+    fill(a, turn1)
+    tail_block = a.tables[0][2]
+    lk.k[tail_block * BLOCK_SIZE:tail_block * BLOCK_SIZE + 8] = 7.0  # what a step would have written
+    kv.groups[0].slot_pos[tail_block * BLOCK_SIZE:tail_block * BLOCK_SIZE + 8] = np.arange(32, 40)
+    a.free()
+    b = kv.new_sequence()
+    assert b.reuse_prefix(turn1 + [100, 101]) == 40  # the whole first turn, not just its 32
+    new = b.tables[0][2]
+    assert new != tail_block and (lk.k[new * BLOCK_SIZE:new * BLOCK_SIZE + 8] == 7.0).all()
+    assert list(kv.groups[0].slot_pos[new * BLOCK_SIZE:new * BLOCK_SIZE + 8]) == list(range(32, 40))
+    assert b.tokens == turn1
+    # a prompt that differs inside the tail takes only the tokens before the difference
+    c = kv.new_sequence()
+    other = turn1[:36] + [999, 1000]
+    assert c.reuse_prefix(other) == 36
+    # the last token is always evaluated
+    d = kv.new_sequence()
+    assert d.reuse_prefix(turn1) == 39
