@@ -170,11 +170,10 @@ class Request:
     close = cancel
 
     def __del__(self):
-        try:
-            if not self.done:
-                self._engine.cancel(self._state)
-        except Exception:
-            pass
+        # no lock here: the cycle collector may run this in a thread that holds the engine's
+        # locks; the flag alone is enough (every step drops cancelled sequences)
+        if not self.done:
+            self._state.cancelled = True
 
 
 def now() -> float:
