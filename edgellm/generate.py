@@ -9,6 +9,7 @@ end). `Request` is what a caller holds: an iterator of those Chunks fed by the e
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -138,6 +139,10 @@ class Request:
                 break
             except queue.Empty:
                 pass
+            dedicated = self._engine.dedicated
+            if dedicated is not None and dedicated is not threading.current_thread():
+                item = self._queue.get()  # a thread in Engine.run_forever makes every step
+                break
             if not self._engine.drive(self):  # no work left for the engine: the chunk is on its way
                 try:
                     item = self._queue.get(timeout=0.02)

@@ -78,6 +78,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._driven_at = 0.0  # when a caller last ran a step (Engine.drive)
+        self.dedicated: threading.Thread | None = None  # the thread in run_forever, if one is
         self._shapes: set = set()  # (entries, tokens) of the steps run so far
         self.counters = dict(requests=0, finished=0, cancelled=0, preemptions=0, prompt_tokens=0,
                              cached_tokens=0, gen_tokens=0, steps=0)
@@ -101,7 +102,7 @@ class Engine:
             self.waiting.append(state)
             self.counters["requests"] += 1
             self._driven_at = max(self._driven_at, now())  # the caller iterating it gets to drive first
-            if self._thread is None:
+            if self._thread is None and self.dedicated is None:
                 self._thread = threading.Thread(target=self._loop, name="edgellm-engine", daemon=True)
                 self._thread.start()
             self._cv.notify()
@@ -147,6 +148,18 @@ class Engine:
                     return
             if not self._run_step(blocking=True, unless_driven=True):
                 time.sleep(HANDOFF_S)  # a caller iterating a Request runs the steps
+
+    def run_forever(self) -> None:
+        """Run every step in the calling thread until close() (a server: the thread that loaded the
+        model, whose kernels are fastest from it, steps for all request threads, which only wait)."""
+        self.dedicated = threading.current_thread()
+        while True:
+            with self._cv:
+                while not (self.waiting or self.running or self._closed):
+                    self._cv.wait()
+                if self._closed and not (self.waiting or self.running):
+                    return
+            self._run_step(blocking=True)
 
     def drive(self, waiting_for=None) -> bool:
         """Run one step in the calling thread (a caller waiting for its Request's next chunk; it

@@ -143,14 +143,19 @@ class Engine:
         return t
 
     def _load_thread(self) -> None:
+        """Load the model, then run every engine step in this thread (Engine.run_forever): the
+        kernels ran first from here (the load's warm-up) and are fastest from here; the request
+        threads only wait for their chunks."""
         try:
             model = self._load()
             self.slots = int(model.engine_stats()["n_seq"])
             self.model = model
         except BaseException as exc:  # noqa: BLE001 - reported by the server
             self.load_error = exc
-        finally:
             self.ready.set()
+            return
+        self.ready.set()
+        model.engine.run_forever()
 
     @property
     def loaded(self) -> bool:
