@@ -361,6 +361,8 @@ class SeqKV:
         self.hashes = hashes[:n]
         self.n_registered = n
         self.tokens = list(tokens[: n * bs])
+        if k and not all(g.pool.n_available >= 2 for g in groups):
+            k = 0  # sharing the full blocks took the pool's last spare ones: no block to copy into
         if k:  # the partial block's first k tokens, copied into a block of this sequence's own
             for gi, (g, src) in enumerate(zip(groups, partials)):
                 g.pool.share(src)  # held while copying: allocate() must not hand it out

@@ -182,3 +182,16 @@ def test_a_sequences_partial_last_block_is_copied_for_the_next_turn():
     # the last token is always evaluated
     d = kv.new_sequence()
     assert d.reuse_prefix(turn1) == 39
+
+
+def test_no_partial_copy_when_sharing_took_the_last_spare_blocks():
+    kv = cache(n_blocks_ctx=4, n_seq=1)  # 4 blocks
+    a = kv.new_sequence()
+    turn1 = list(range(40))  # blocks 0, 1 full; block 2 holds 8 tokens
+    fill(a, turn1)
+    a.free()  # all three cached, one free
+    hog = kv.new_sequence()
+    assert hog.grow(1)  # takes the free block: only the three cached ones are left
+    b = kv.new_sequence()
+    # sharing the two full blocks leaves the tail as the only spare block: nothing to copy it into
+    assert b.reuse_prefix(turn1 + [7]) == 32 and len(b.tables[0]) == 2
