@@ -68,7 +68,7 @@ def token_ids(tokens, n_vocab: int, what: str = "tokens") -> list[int]:
 
 
 SAMPLING_ARGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "stop",
-                 "ignore_eos")
+                 "ignore_eos", "cache_prompt")
 
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
@@ -213,10 +213,14 @@ class Model:
     def submit(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
                top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
                repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
-               stop: Iterable[str] = (), ignore_eos: bool = False, logprobs: int | None = None) -> Request:
+               stop: Iterable[str] = (), ignore_eos: bool = False, logprobs: int | None = None,
+               cache_prompt: bool = True) -> Request:
         """Queue `prompt` (str or token ids) on the engine; returns a Request: an iterator of Chunks,
         with .cancel() and .stats. Thread-safe; concurrent requests are decoded together.
-        logprobs=k: every Chunk carries the sampled token's logprob and the k most likely."""
+        logprobs=k: every Chunk carries the sampled token's logprob and the k most likely.
+        cache_prompt (llama-server's name): take the longest cached prefix of the prompt from the KV
+        cache; False evaluates the whole prompt, as a fresh context does (the same bits as
+        llama.cpp on a fresh context; a reused prefix changes the batch the rest is evaluated in)."""
         from edgellm.sampling import Sampler, SamplingParams
 
         params = SamplingParams(temperature=_real_arg("temperature", temperature), top_k=_int_arg("top_k", top_k, 0),
@@ -234,8 +238,10 @@ class Model:
         if not all(isinstance(x, str) for x in stop):
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
         ids = self._prompt_ids(prompt)
+        with self._lock:  # eval()'s context gives its blocks back (they stay cached for reuse)
+            self.runtime.reset()
         stream = SeqStream(self.tokenizer, list(stop), int(max_tokens), ignore_eos, self.n_ctx)
-        req = self.engine.submit(ids, Sampler(params), stream, logprobs)
+        req = self.engine.submit(ids, Sampler(params), stream, logprobs, cache_prompt=bool(cache_prompt))
         req.stats.memory = self.stats.memory
         if max_tokens == 0:
             req.cancel()
@@ -244,12 +250,13 @@ class Model:
     def generate(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
                  top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
                  repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
-                 stop: Iterable[str] = (), ignore_eos: bool = False) -> Iterator[Chunk]:
+                 stop: Iterable[str] = (), ignore_eos: bool = False, cache_prompt: bool = True) -> Iterator[Chunk]:
         """Complete `prompt` (str or token ids), streaming Chunks; `stats` follows this call. The
-        longest cached prefix of the prompt is reused (a chat's earlier turns are not recomputed).
-        Breaking out of the loop frees the sequence."""
+        longest cached prefix of the prompt is reused (a chat's earlier turns are not recomputed;
+        cache_prompt=False evaluates it all). Breaking out of the loop frees the sequence."""
         req = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                          min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos)
+                          min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                          cache_prompt=cache_prompt)
         self.stats = req.stats
         return self._follow(req)
 

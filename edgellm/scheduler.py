@@ -47,6 +47,7 @@ class SeqState:
         self.n_done = 0  # tokens of `prompt` in the cache
         self.next_token: int | None = None  # sampled, to be evaluated next step
         self.cancelled = False
+        self.cache_prompt = True  # take the prompt's cached prefix from the KV cache
         self.finished = False
         self.request: Request | None = None
         self.t_submit = now()
@@ -84,7 +85,8 @@ class Engine:
                              cached_tokens=0, gen_tokens=0, steps=0)
 
     # --- the callers' side -------------------------------------------------------------------------
-    def submit(self, ids: list[int], sampler, stream: SeqStream, logprobs: int | None = None) -> Request:
+    def submit(self, ids: list[int], sampler, stream: SeqStream, logprobs: int | None = None,
+               cache_prompt: bool = True) -> Request:
         if len(ids) >= self.n_ctx:
             raise ContextFullError(f"the prompt is {len(ids)} tokens but the context holds {self.n_ctx}; "
                                    "shorten the prompt or load with a larger n_ctx (-c)")
@@ -97,6 +99,7 @@ class Engine:
         if self._closed:
             raise InvalidArgumentError("the model is closed")
         state = SeqState(ids, sampler, stream, logprobs, Stats(prompt_tokens=len(ids), n_ctx=self.n_ctx))
+        state.cache_prompt = cache_prompt
         req = state.request = Request(self, state)
         with self._cv:
             self.waiting.append(state)
@@ -243,7 +246,7 @@ class Engine:
         its first chunk now."""
         cache = self.runtime.cache
         s.kv = cache.new_sequence()
-        cached = s.kv.reuse_prefix(s.prompt)
+        cached = s.kv.reuse_prefix(s.prompt) if s.cache_prompt or s.stats.preemptions else 0
         s.n_done = cached
         if not s.kv.can_grow(min(len(s.prompt) - cached, self.n_batch)):
             self._release(s)

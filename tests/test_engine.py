@@ -250,3 +250,19 @@ def test_the_engine_thread_ends_when_idle_and_a_dropped_model_is_freed(smollm2_p
     del m
     gc.collect()
     assert ref() is None
+
+
+def test_generate_after_a_long_logits_call_does_not_wait_for_blocks(smollm2_path):
+    """logits() leaves its prompt in the single context; a generate of another prompt that needs
+    more blocks than are left must still run (the context gives its blocks back), not wait forever."""
+    m = edgellm.load(smollm2_path, n_ctx=256, n_batch=256)  # a pool of 16 blocks
+    rng = np.random.default_rng(0)
+    m.logits([int(t) for t in rng.integers(100, 40000, size=200)])  # 13 blocks held
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(
+        c.token for c in m.generate([int(x) for x in rng.integers(100, 40000, size=200)], max_tokens=3, **GREEDY)),
+        daemon=True)
+    t.start()
+    t.join(60)
+    assert len(out) == 3
+    m.close()
