@@ -135,27 +135,26 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     _quantize(h[0], a32, ak, need32, needk)
     n_in_ffn = n_embd
     gf, uf = gate.reshape(-1), up.reshape(-1)
-    cg, cu = (wg.shape[0] + CHUNK - 1) // CHUNK, (wu.shape[0] + CHUNK - 1) // CHUNK
-    for c in prange(cg + cu):
-        if c < cg:
-            _rows(tids[4], wg, c, gf, a32, ak, n_in_ffn)
-        else:
-            _rows(tids[5], wu, c - cg, uf, a32, ak, n_in_ffn)
     n_ff = gf.size
     n8 = n_ff // 8 * 8
-    for i in range(n_ff):
-        g = gf[i]
-        if gelu:  # ggml's GEGLU: f16 table lookup within (-10, 10)
-            if g <= F32(-10.0):
-                y = F32(0.0)
-            elif g >= F32(10.0):
-                y = g
+    # gate and up rows of a chunk, then the chunk's activation, in one parallel loop (the
+    # activation was a serial loop over n_ff after it: ~5 % of a 1B decode step)
+    for c in prange((n_ff + CHUNK - 1) // CHUNK):
+        _rows(tids[4], wg, c, gf, a32, ak, n_in_ffn)
+        _rows(tids[5], wu, c, uf, a32, ak, n_in_ffn)
+        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n_ff)):
+            g = gf[i]
+            if gelu:  # ggml's GEGLU: f16 table lookup within (-10, 10)
+                if g <= F32(-10.0):
+                    y = F32(0.0)
+                elif g >= F32(10.0):
+                    y = g
+                else:
+                    y = gelu_table[U(_store(g, np.uint16(0)))]
+                gf[i] = y * uf[i]
             else:
-                y = gelu_table[U(_store(g, np.uint16(0)))]
-            gf[i] = y * uf[i]
-        else:
-            e = expf_ggml(-g) if i < n8 else np.exp(-g)
-            gf[i] = g / (F32(1.0) + e) * uf[i]
+                e = expf_ggml(-g) if i < n8 else np.exp(-g)
+                gf[i] = g / (F32(1.0) + e) * uf[i]
     _quantize(gf, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
     n_in_down = n_ff
     for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
