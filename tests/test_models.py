@@ -115,7 +115,7 @@ class UnfusedCPU(CPUBackend):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_fused_decode_block_is_the_unfused_ops_bit_for_bit(synthetic, arch, qtype):
     path = synthetic(arch, qtype)
     fused_backend = CPUBackend()

@@ -20,20 +20,20 @@ from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, qua
 from edgellm.kernels.cpu.kquants import _row_q4_k
 from edgellm.kernels.cpu.ops import _store, add_rms_norm, attend_ggml, expf_ggml, prepare_qkv, rms_norm
 from edgellm.kernels.cpu.legacy import _row_q4_0
-from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
+from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q3_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
                                         rowdot_q8_0)
 from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
-    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K,
-    GGMLType.Q5_K, GGMLType.Q6_K))
-ROW_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
+    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
+    GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
+ROW_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
 
 
 @njit(inline="always")
 def _is_k(tid):
     """The type takes its activations in Q8_K form (the others: Q8_0 / Q8_1, "q8_32")."""
-    return tid == Q2_K or tid == Q4_K or tid == Q5_K or tid == Q6_K
+    return tid == Q2_K or tid == Q3_K or tid == Q4_K or tid == Q5_K or tid == Q6_K
 
 
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
@@ -71,6 +71,9 @@ def _rows(tid, w, c, out, a32, ak, n_in):
     elif tid == Q6_K:
         for r in range(r0, r1):
             out[r] = rowdot_q6_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), nk)
+    elif tid == Q3_K:
+        for r in range(r0, r1):
+            out[r] = rowdot_q3_k(w, U(r) * rb, ak[0], U(0), ak[1], U(0), nk)
     elif tid == Q2_K:
         for r in range(r0, r1):
             out[r] = rowdot_q2_k(w, U(r) * rb, ak[0], U(0), ak[1], ak[2], U(0), nk)

@@ -785,6 +785,15 @@ def rowdot_q2_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     return sig, codegen
 
 
+def _maddubs16(builder, u8, s8):
+    """<16 x i16>: lane j = u8[2j] s8[2j] + u8[2j+1] s8[2j+1] (pmaddubsw; u8 small, no saturation)."""
+    if AVX2:
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
+    prod = builder.mul(builder.zext(u8, _i16(32)), builder.sext(s8, _i16(32)))
+    return builder.add(builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(0, 32, 2)))),
+                       builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(1, 32, 2)))))
+
+
 @intrinsic
 def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
     """float32: a Q3_K row (110-byte super-blocks: hmask[32], qs[64], scales[12], d) times x in
@@ -809,22 +818,39 @@ def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
         def body(i, acc, s):
             o = builder.add(w_off_, builder.mul(i, const(110)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
-            sc = [builder.sub(builder.or_(bits(byte(o, 96 + g % 8), 4 * (g // 8), 15),
-                                          builder.shl(bits(byte(o, 104 + g % 4), 2 * (g // 4), 3), ir.Constant(i32, 4))),
-                              ir.Constant(i32, 32)) for g in range(16)]
+            # the 16 6-bit scales as <16 x i16>, from scales[12]: low nibbles of bytes 0..7 then
+            # their high nibbles; 2 high bits from bytes 8..11, shifted by 2 (g // 4)
+            b8 = builder.bitcast(builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(96))]),
+                                                              ir.IntType(64).as_pointer()), align=1), _i8(8))
+            b4 = builder.bitcast(builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(104))]),
+                                                              i32.as_pointer()), align=1), _i8(4))
+            lo = builder.shuffle_vector(b8, builder.lshr(b8, ir.Constant(_i8(8), [4] * 8)),
+                                        ir.Constant(_i32(16), list(range(16))))
+            lo = builder.and_(lo, ir.Constant(_i8(16), [15] * 16))
+            parts = [builder.lshr(b4, ir.Constant(_i8(4), [2 * k] * 4)) for k in range(4)]
+            hi = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], ir.Constant(_i32(8), list(range(8)))),
+                                        builder.shuffle_vector(parts[2], parts[3], ir.Constant(_i32(8), list(range(8)))),
+                                        ir.Constant(_i32(16), list(range(16))))
+            hi = builder.shl(builder.and_(hi, ir.Constant(_i8(16), [3] * 16)), ir.Constant(_i8(16), [4] * 16))
+            sc16 = builder.sub(builder.sext(builder.or_(lo, hi), _i16(16)), ir.Constant(_i16(16), [32] * 16))
             hmask = _load_vec(builder, wp, o, _i8(32))
             not_h = builder.xor(hmask, ir.Constant(_i8(32), [-1] * 32))
             sumi = ir.Constant(_i32(8), [0] * 8)
             for c in range(2):
                 qbits = _load_vec(builder, wp, builder.add(o, const(32 + 32 * c)), _i8(32))
                 for s_ in range(4):
-                    low = builder.and_(builder.lshr(qbits, ir.Constant(_i8(32), [2 * s_] * 32)), ir.Constant(_i8(32), [3] * 32))
-                    four = builder.shl(builder.and_(builder.lshr(not_h, ir.Constant(_i8(32), [4 * c + s_] * 32)),
-                                                    ir.Constant(_i8(32), [1] * 32)), ir.Constant(_i8(32), [2] * 32))
+                    low = builder.and_(qbits if s_ == 0 else builder.lshr(qbits, ir.Constant(_i8(32), [2 * s_] * 32)),
+                                       ir.Constant(_i8(32), [3] * 32))
+                    k = 4 * c + s_  # the hmask bit: 4 where it is clear
+                    four = (builder.shl(not_h, ir.Constant(_i8(32), [2 - k] * 32)) if k < 2 else
+                            builder.lshr(not_h, ir.Constant(_i8(32), [k - 2] * 32)) if k > 2 else not_h)
+                    four = builder.and_(four, ir.Constant(_i8(32), [4] * 32))
                     y = _load_vec(builder, xp, builder.add(xo, const(128 * c + 32 * s_)), _i8(32))
                     g = 8 * c + 2 * s_
-                    sumi = builder.add(sumi, builder.sub(_scaled_quads(builder, low, y, sc[g], sc[g + 1]),
-                                                         _scaled_quads(builder, four, y, sc[g], sc[g + 1])))
+                    # (low - four) . y per pair of bytes, exact in int16 (|.| <= 2 * 4 * 128)
+                    p16 = builder.sub(_maddubs16(builder, low, y), _maddubs16(builder, four, y))
+                    sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
+                    sumi = builder.add(sumi, _madd16(builder, p16, sc))
             d = builder.fmul(builder.load(builder.gep(dp, [builder.add(b_off_, i)])),
                              _load_half(builder, wp, builder.add(o, const(108))))
             acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)
