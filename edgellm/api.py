@@ -73,12 +73,15 @@ SAMPLING_ARGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
-         quiet: bool = True) -> "Model":
+         quiet: bool = True, use_mmap: bool | None = None) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
     context. kv_size: the KV pool in tokens (default n_seq * n_ctx; smaller pools preempt).
-    policy: "continuous" batching (default) or "static" (a batch ends when its longest member ends)."""
+    policy: "continuous" batching (default) or "static" (a batch ends when its longest member ends).
+    use_mmap: True keeps the CPU layers' weights in the file mapping; False copies them into huge-page
+    memory (faster decode: edgellm/resident.py); None (default) copies when the machine has
+    transparent huge pages and the file takes under half the available memory."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -101,12 +104,19 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     _check_kv_type(kv_type)
     if policy not in POLICIES:
         raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    if use_mmap is not None and not isinstance(use_mmap, bool):
+        raise InvalidArgumentError(f"use_mmap must be True, False or None, not {use_mmap!r}")
     file = resolve_model(path, quiet=quiet)
     gf = GGUFFile(file)
+    if use_mmap is None:
+        from edgellm.resident import want_resident
+
+        use_mmap = not want_resident(gf.file_size)
     cfg = ModelConfig.from_gguf(gf)
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
                  threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
-                 kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet)
+                 kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
+                 use_mmap=use_mmap)
 
 
 class _CompileReport:
@@ -122,7 +132,8 @@ class _CompileReport:
 
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
-                 n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True):
+                 n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
+                 use_mmap: bool = True):
         from edgellm.backend_cpu import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -142,7 +153,7 @@ class Model:
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
                               kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size)
         if backends is None:
-            backends = {"cpu": CPUBackend(threads)}
+            backends = {"cpu": CPUBackend(threads, resident=not use_mmap)}
             if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu":
                 from edgellm.kernels.cuda import require
 

@@ -9,6 +9,7 @@ softmax is float32 with the max subtracted.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -282,13 +283,31 @@ class CPUBackend(NumpyBackend):
     ops the decoder uses when a backend has them (`qkv_attention`, `add_rms_norm`), so a decode
     step of a layer is a handful of kernel calls instead of ~20 NumPy ones."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, resident: bool = False):
         super().__init__(threads)
+        from edgellm.resident import WeightArena
+
+        # resident: weight matrices copied into huge-page memory (edgellm/resident.py), else mapped
+        self.arena = WeightArena() if resident else None
         self._ops = None
         self._bound: dict[int, tuple] = {}  # id(QMatrix) -> (the QMatrix, kernels' bound Matrix)
         self._fused: dict[int, object] = {}  # id(block weights) -> decode_block's arguments, or False
         self._fused_ops = None
         self._act_buffers = None
+
+    def weight(self, t: TensorInfo):
+        """As NumpyBackend's; with an arena, matrices are copied into it, except the embedding
+        table, read a row a token (keep_resident copies it when it is the output head too)."""
+        w = super().weight(t)
+        if isinstance(w, QMatrix) and self.arena is not None and t.name != "token_embd.weight":
+            w = dataclasses.replace(w, data=self.arena.copy(w.data))
+        return w
+
+    def keep_resident(self, w: QMatrix) -> QMatrix:
+        """w copied into the arena (when there is one): the embedding table that is also the head."""
+        if self.arena is not None and isinstance(w, QMatrix):
+            w = dataclasses.replace(w, data=self.arena.copy(w.data))
+        return w
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product)."""

@@ -15,6 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=3, metavar="R", help="runs of each test, default 3")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
     p.add_argument("--gpu-layers", "-ngl", type=gpu_layers_arg, default=0, metavar="N|auto|-1")
+    mm = p.add_mutually_exclusive_group()
+    mm.add_argument("--mmap", dest="use_mmap", action="store_const", const=True, default=None,
+                    help="keep the weights in the file mapping (default: copied into huge pages when they fit)")
+    mm.add_argument("--no-mmap", dest="use_mmap", action="store_const", const=False,
+                    help="copy the CPU layers' weights into huge-page memory")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size")
     p.add_argument("-d", "--depth", type=int, default=0, metavar="N",
                    help="tokens already in the context before each test (default 0)")
@@ -119,7 +124,7 @@ def run(args) -> int:
         return run_parallel(args)
     n_ctx = max(args.depth + args.n_prompt + args.n_gen + 1, 16)
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=n_ctx, n_batch=args.batch,
-                         threads=args.threads, quiet=False)
+                         threads=args.threads, quiet=False, use_mmap=args.use_mmap)
     rng = np.random.default_rng(0)
     results = []
     per_pass = weight_bytes(model.gf)
@@ -208,7 +213,8 @@ def run_parallel(args) -> int:
     if args.n_prompt < 1 or args.n_gen < 2:
         raise InvalidArgumentError("--parallel needs -p >= 1 and -n >= 2")
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=args.n_prompt + args.n_gen + 16,
-                         n_batch=args.batch, threads=args.threads, n_seq=max(npls), quiet=False)
+                         n_batch=args.batch, threads=args.threads, n_seq=max(npls), quiet=False,
+                         use_mmap=args.use_mmap)
     bench_parallel(model, max(npls), min(args.n_prompt, 16), 4)  # warm-up: every batch size's kernels
     rows = []
     for n in npls:

@@ -57,6 +57,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transformer blocks to run on the GPU (-1: all, auto: as many as fit; default 0)")
     parser.add_argument("-c", "--ctx", type=int, default=4096, metavar="N", help="context size in tokens")
     parser.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
+    mm = parser.add_mutually_exclusive_group()
+    mm.add_argument("--mmap", dest="use_mmap", action="store_const", const=True, default=None,
+                    help="keep the weights in the file mapping (default: copied into huge pages when they fit)")
+    mm.add_argument("--no-mmap", dest="use_mmap", action="store_const", const=False,
+                    help="copy the CPU layers' weights into huge-page memory (faster decode)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     if hasattr(args, "kv_type_k"):
         args.kv_type = kv_type_of(args)
     path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
-    load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads}
+    load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads,
+                    "use_mmap": getattr(args, "use_mmap", None)}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:
             load_options[option] = getattr(args, flag)

@@ -51,7 +51,8 @@ def run(args) -> int:
     args.kv_type = kv_type_of(args)
     path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
-                         threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False)
+                         threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False,
+                         use_mmap=args.use_mmap)
     if args.verbose:
         print_plan(model, sys.stderr)
     prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)

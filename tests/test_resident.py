@@ -1,0 +1,73 @@
+"""Weights copied into huge-page memory (edgellm/resident.py): the same numbers as the mapped
+weights, the matrices really in the arena, the file's pages given back, bad values refused."""
+import mmap
+
+import numpy as np
+import pytest
+
+import edgellm
+from edgellm.errors import InvalidArgumentError
+from edgellm.resident import CHUNK, HUGE, MIN_BYTES, WeightArena
+
+TOKENS = [1, 504, 3458, 314, 260, 7102, 30, 28, 1204, 4007]
+
+
+def test_copied_weights_give_the_mapped_logits_bit_for_bit(smollm2_path):
+    mapped = edgellm.load(smollm2_path, n_ctx=64, use_mmap=True)
+    copied = edgellm.load(smollm2_path, n_ctx=64, use_mmap=False)
+    assert mapped.runtime.backends["cpu"].arena is None
+    arena = copied.runtime.backends["cpu"].arena
+    blocks = copied.runtime.model.blocks
+    # every block matrix and the tied embedding table / head live in the arena
+    mats = [getattr(L, n) for L in blocks for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                     "ffn_up", "ffn_down")]
+    head = copied.runtime.model.output
+    assert head is copied.runtime.model.token_embd  # SmolLM2 ties them
+    big = [m for m in mats + [head] if m.data.nbytes >= MIN_BYTES]
+    assert arena.nbytes == sum(m.data.nbytes for m in big) > 0
+    for m in big:
+        assert not np.shares_memory(m.data, copied.gf._map)
+    np.testing.assert_array_equal(copied.logits(TOKENS), mapped.logits(TOKENS))
+    np.testing.assert_array_equal(copied.eval([TOKENS[0]]), mapped.eval([TOKENS[0]]))
+
+
+def test_arena_copies_big_arrays_aligned_and_leaves_small_ones():
+    arena = WeightArena()
+    small = np.arange(100, dtype=np.uint8).reshape(10, 10)
+    assert arena.copy(small) is small
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 255, size=(300, 4096), dtype=np.uint8)  # 1.2 MiB: packed into a chunk
+    b = rng.integers(0, 255, size=(CHUNK // 1024 + 8, 1024), dtype=np.uint8)  # > CHUNK: its own
+    ca, cb = arena.copy(a), arena.copy(b)
+    np.testing.assert_array_equal(ca, a)
+    np.testing.assert_array_equal(cb, b)
+    assert ca.ctypes.data % HUGE == 0 and cb.ctypes.data % HUGE == 0
+    assert a.any()  # writable memory is never dropped
+    c = arena.copy(a)  # the next one in the same chunk, 64-byte aligned after the first
+    assert c.ctypes.data == ca.ctypes.data + a.nbytes // 64 * 64 + (64 if a.nbytes % 64 else 0)
+    assert arena.nbytes == 2 * a.nbytes + b.nbytes
+
+
+def test_copying_gives_the_mapped_pages_back(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(np.random.default_rng(1).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes())
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(m, np.uint8)
+    assert int(view.sum()) > 0  # every page of the mapping resident now
+
+    def resident_kib():
+        entries = open("/proc/self/smaps").read().split(str(path))
+        assert len(entries) == 2, "the mapping appears once"
+        rss_line = next(line for line in entries[1].splitlines() if line.startswith("Rss:"))
+        return int(rss_line.split()[1])
+
+    assert resident_kib() >= 8 << 10
+    copy = WeightArena().copy(view.reshape(2048, -1))
+    assert resident_kib() < 64  # the file's pages left this process's resident set
+    np.testing.assert_array_equal(copy.reshape(-1), np.fromfile(path, np.uint8))
+
+
+def test_use_mmap_must_be_a_bool(smollm2_path):
+    with pytest.raises(InvalidArgumentError, match="use_mmap"):
+        edgellm.load(smollm2_path, n_ctx=64, use_mmap="no")
