@@ -295,19 +295,25 @@ class CPUBackend(NumpyBackend):
         self._fused_ops = None
         self._act_buffers = None
 
-    def weight(self, t: TensorInfo):
-        """As NumpyBackend's; with an arena, matrices are copied into it, except the embedding
-        table, read a row a token (keep_resident copies it when it is the output head too)."""
-        w = super().weight(t)
-        if isinstance(w, QMatrix) and self.arena is not None and t.name != "token_embd.weight":
-            w = dataclasses.replace(w, data=self.arena.copy(w.data))
-        return w
-
-    def keep_resident(self, w: QMatrix) -> QMatrix:
-        """w copied into the arena (when there is one): the embedding table that is also the head."""
-        if self.arena is not None and isinstance(w, QMatrix):
-            w = dataclasses.replace(w, data=self.arena.copy(w.data))
-        return w
+    def make_resident(self, model) -> None:
+        """With an arena: the matrices of the model's layers on this backend, and its output head
+        when it runs here, copied into it (after Runtime's warm-up, so the compiler's pages are
+        gone before the weights' arrive). The embedding table stays mapped (a row read a token)
+        unless it is also the head. Kernel bindings are made again on first use."""
+        if self.arena is None:
+            return
+        for L, b in zip(model.blocks, model.layer_backends):
+            if b is self:
+                for name, w in list(vars(L).items()):
+                    if isinstance(w, QMatrix):
+                        setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
+        if model.output_backend is self and isinstance(model.output, QMatrix):
+            head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
+            if model.output is model.token_embd:
+                model.token_embd = head
+            model.output = head
+        self._bound.clear()
+        self._fused.clear()
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product)."""

@@ -21,7 +21,7 @@ import numpy as np
 
 HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 CHUNK = 64 << 20  # matrices are packed into chunks of this size (larger ones get their own)
-MIN_BYTES = 256 << 10  # smaller matrices stay mapped (not worth a copy)
+MIN_BYTES = 16 << 10  # smaller arrays stay mapped (not worth a copy)
 _MADV_DONTNEED = 4
 
 

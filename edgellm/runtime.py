@@ -59,6 +59,9 @@ class Runtime:
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
         self.warm_up(on_compile)
+        make_resident = getattr(cpu, "make_resident", None)
+        if make_resident is not None:
+            make_resident(self.model)
 
     def warm_up(self, on_compile=None) -> None:
         """Load the CPU kernels a prompt and a decode step run before any weight is read, then hand

@@ -64,11 +64,7 @@ class Decoder:
         ob = output_backend
         self.output_norm = ob.weight(gf.tensor("output_norm.weight"))
         head = gf.tensors.get("output.weight") or gf.tensor("token_embd.weight")
-        if head.name == "token_embd.weight" and ob is embed_backend:  # tied: the table is the head
-            keep = getattr(ob, "keep_resident", None)
-            self.output = self.token_embd = keep(self.token_embd) if keep else self.token_embd
-        else:
-            self.output = ob.weight(head)
+        self.output = self.token_embd if (head.name == "token_embd.weight" and ob is embed_backend) else ob.weight(head)
 
     def _load_block(self, gf, il: int, b) -> SimpleNamespace:
         w = {}
