@@ -295,6 +295,15 @@ class CPUBackend(NumpyBackend):
         self._fused_ops = None
         self._act_buffers = None
 
+    def claim_thread(self) -> None:
+        """Numba's thread count belongs to the calling thread: a step run from a thread other than
+        the one that loaded the model would use every core (NUMBA_NUM_THREADS), not `threads`."""
+        if self.threads:
+            import numba
+
+            if numba.get_num_threads() != self.threads:
+                numba.set_num_threads(self.threads)
+
     def make_resident(self, model) -> None:
         """With an arena: the matrices of the model's layers on this backend, and its output head
         when it runs here, copied into it (after Runtime's warm-up, so the compiler's pages are

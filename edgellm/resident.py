@@ -22,6 +22,7 @@ import numpy as np
 HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 CHUNK = 64 << 20  # matrices are packed into chunks of this size (larger ones get their own)
 MIN_BYTES = 16 << 10  # smaller arrays stay mapped (not worth a copy)
+SLICE = 4 << 20  # bytes copied between two drops of the source's pages
 _MADV_DONTNEED = 4
 
 
@@ -79,9 +80,14 @@ class WeightArena:
             dst = self._cur[self._used:self._used + n]
             self._used += (n + 63) // 64 * 64
         out = dst.view(data.dtype).reshape(data.shape)
-        np.copyto(out, data)
-        if not data.flags.writeable:
-            _drop_pages(data)
+        # in slices, each slice's source pages dropped right after it is copied: the file's pages
+        # and the copy are resident together for one slice, not for a whole (say 180 MiB) matrix
+        src, flat = data.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+        drop = not data.flags.writeable
+        for i in range(0, n, SLICE):
+            np.copyto(flat[i:i + SLICE], src[i:i + SLICE])
+            if drop:
+                _drop_pages(src[i:i + SLICE])
         self.nbytes += n
         return out
 

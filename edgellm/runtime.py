@@ -129,6 +129,9 @@ class Runtime:
         are in the cache)."""
         from edgellm.kv_cache import build_layouts
 
+        claim = getattr(self.backends.get("cpu"), "claim_thread", None)
+        if claim is not None:
+            claim()
         ids = np.concatenate([e[1] for e in entries]).astype(np.int64, copy=False)
         pos_list = [np.arange(seq.n_past, seq.n_past + len(t), dtype=np.int64) for seq, t in entries]
         pos = np.concatenate(pos_list)

@@ -71,3 +71,27 @@ def test_copying_gives_the_mapped_pages_back(tmp_path):
 def test_use_mmap_must_be_a_bool(smollm2_path):
     with pytest.raises(InvalidArgumentError, match="use_mmap"):
         edgellm.load(smollm2_path, n_ctx=64, use_mmap="no")
+
+
+def test_a_step_from_another_thread_uses_the_models_thread_count(smollm2_path):
+    """Numba's thread count is per calling thread: a step run from a thread that did not load the
+    model (eval here; the engine thread or a caller driving generate alike) must still run with
+    `threads`, not every core."""
+    import threading
+
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs a machine with at least 2 cores for the counts to differ")
+    m = edgellm.load(smollm2_path, n_ctx=64, threads=1)
+    seen = []
+
+    def work():
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # a fresh thread's own count
+        m.eval([1, 2])
+        seen.append(numba.get_num_threads())
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert seen == [1]
