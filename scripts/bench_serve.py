@@ -138,17 +138,20 @@ def start(kind: str, args, clients: int, stderr=subprocess.DEVNULL) -> tuple[sub
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < args.start_timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"{kind} exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, "bench"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise SystemExit(f"{kind} did not become healthy in {args.start_timeout} s")
+    try:
+        while time.perf_counter() - t0 < args.start_timeout:
+            if proc.poll() is not None:
+                raise SystemExit(f"{kind} exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url, "bench"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise SystemExit(f"{kind} did not become healthy in {args.start_timeout} s")
+    except BaseException:
+        proc.kill()
+        raise
 
 
 def engine_gauges(url: str) -> dict:
@@ -361,6 +364,7 @@ def main() -> int:
                          "requests), every request is counted once, RSS stays within 5%%, exit 0 on SIGTERM")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started here (finally blocks)
 
     if args.soak:
         return soak(args)
