@@ -258,7 +258,8 @@ class KVCache:
         total = sum(g.pool.n_blocks for g in self.groups)
         used = sum(g.pool.n_used for g in self.groups)
         cached = sum(g.pool.n_cached for g in self.groups)
-        return {"total": total, "used": used, "cached": cached, "free": total - used - cached}
+        free = sum(len(g.pool.free) for g in self.groups)  # counted, not inferred: used + cached + free
+        return {"total": total, "used": used, "cached": cached, "free": free}  # != total is a lost block
 
     # --- sequences ------------------------------------------------------------------------------
     def new_sequence(self) -> "SeqKV":

@@ -1,108 +1,32 @@
 """`edgellm serve` over a real socket: the official `openai` client and raw httpx against a server on
 127.0.0.1 serving the real SmolLM2 file, checked against `Model.chat` / `Model.generate` on the same
-model object. One server (a uvicorn thread in this process) for the module; one `edgellm serve`
-subprocess for loading, /health and SIGINT."""
+model object. One server (a uvicorn thread in this process) for the module; the `edgellm serve`
+command, shutdown and the soak are in test_server_life.py."""
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx  # the 'test' extra has the server's dependencies and the clients
 import openai
 import pytest
-import uvicorn
+from served import KEY, Served, reference, sse_events
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-KEY = "sk-edgellm-test"
 N_SEQ = 2
 N_CTX = 1024
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-class Served:
-    def __init__(self, model, path):
-        from edgellm.serve.app import Server, build_app
-        from edgellm.serve.engine import Engine
-
-        self.model = model
-        self.engine = Engine(lambda: model, queue=8)
-        self.engine.start()
-        self.engine.ready.wait()
-        self.server = Server(self.engine, model_path=path, api_key=KEY, ping_seconds=0.5)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.uv.started:
-                break
-            time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=600)
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
-        self.name = self.server.name
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(10)
-        self.http.close()
-
-    def idle(self, timeout: float = 5.0) -> dict:
-        """engine_stats once no sequence runs (fails after `timeout` seconds)."""
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            s = self.model.engine_stats()
-            if s["running"] == 0 and s["waiting"] == 0 and self.engine.in_flight == 0:
-                return s
-            time.sleep(0.02)
-        raise AssertionError(f"still busy after {timeout} s: {self.model.engine_stats()}")
-
-    def metrics(self) -> dict:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        r = self.http.get("/metrics")
-        assert r.status_code == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
-
-
 @pytest.fixture(scope="module")
 def srv(smollm2_path):
-    import edgellm
-
-    model = edgellm.load(smollm2_path, n_ctx=N_CTX, n_seq=N_SEQ, threads=1)
-    s = Served(model, smollm2_path)
+    s = Served(smollm2_path, n_ctx=N_CTX, n_seq=N_SEQ, threads=1)
     yield s
     s.close()
-
-
-def reference(model, prompt_or_messages, **kw) -> tuple[str, str, int]:
-    """(text, finish_reason, tokens) of the same request through the Python API."""
-    call = model.chat if isinstance(prompt_or_messages, list) else model.generate
-    chunks = list(call(prompt_or_messages, **kw))
-    return "".join(c.text for c in chunks), chunks[-1].finish_reason, len(chunks)
-
-
-def sse_events(r) -> list:
-    """The `data:` payloads of a raw SSE response; comment lines (pings) are dropped."""
-    out = []
-    for line in r.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:])
-        else:
-            assert line == "" or line.startswith(":"), line
-    return out
 
 
 # --- generation ----------------------------------------------------------------------------------
@@ -238,6 +162,63 @@ def test_disconnect_frees_the_slot(srv):
     assert r.usage.completion_tokens <= 2
 
 
+class _Tap(httpx.BaseTransport):
+    """An httpx transport that keeps a copy of every response body's bytes as they arrive."""
+
+    def __init__(self):
+        self.inner = httpx.HTTPTransport()
+        self.raw = bytearray()
+
+    def handle_request(self, request):
+        resp = self.inner.handle_request(request)
+        return httpx.Response(resp.status_code, headers=resp.headers, stream=_Copy(resp.stream, self.raw),
+                              extensions=resp.extensions)
+
+    def close(self):
+        self.inner.close()
+
+
+class _Copy(httpx.SyncByteStream):
+    def __init__(self, inner, sink: bytearray):
+        self.inner, self.sink = inner, sink
+
+    def __iter__(self):
+        for part in self.inner:
+            self.sink += part
+            yield part
+
+    def close(self):
+        self.inner.close()
+
+
+def test_pings_while_a_long_prompt_is_evaluated(srv):
+    srv.idle()
+    # ~850 tokens no other test sends (nothing cached): the first token waits for their evaluation
+    ids = srv.model.tokenize(" ".join(f"parcel{i}" for i in range(400)), add_special=False)
+    messages = [{"role": "user", "content": "Which parcel is last? " + srv.model.detokenize(ids[:850])}]
+    tap = _Tap()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
+                           http_client=httpx.Client(transport=tap, timeout=600))
+    srv.server.ping_seconds = 0.25
+    try:
+        chunks = list(client.chat.completions.create(model=srv.name, messages=messages, temperature=0, max_tokens=6,
+                                                     stream=True))
+    finally:
+        srv.server.ping_seconds = 0.5
+    # raw: comment lines before the first token, every other event a data line, [DONE] last
+    events = [e for e in bytes(tap.raw).decode().split("\n\n") if e]
+    first = next(i for i, e in enumerate(events) if e.startswith("data: {") and
+                 json.loads(e[6:])["choices"][0]["delta"].get("content"))
+    pings = [e for e in events[:first] if e.startswith(":")]
+    assert len(pings) >= 1 and all(e == ": ping" for e in pings)
+    assert all(e.startswith("data: ") or e == ": ping" for e in events) and events[-1] == "data: [DONE]"
+    # the openai client skipped the pings: the same answer as the Python API
+    finish = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finish.model_extra["timings"]["prompt_n"] >= 800  # evaluated here, not taken from the cache
+    text, _, _ = reference(srv.model, messages, temperature=0, max_tokens=6)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
 def test_queue_full_is_503(srv):
     srv.idle()
     srv.engine.max_waiting = 0
@@ -255,6 +236,13 @@ def test_queue_full_is_503(srv):
 
 
 # --- errors --------------------------------------------------------------------------------------
+def _shape(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -277,29 +265,84 @@ def test_bad_fields_are_400_naming_them(srv, extra, param):
 
 
 def test_error_statuses_and_shape(srv):
-    def shape(r, status):
-        assert r.status_code == status, r.text
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
-        return err
-
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    shape(httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}), 401)
+    _shape(httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}), 401)
     with pytest.raises(openai.NotFoundError) as e:
         srv.client.chat.completions.create(model="no-such-model", messages=HI)
     assert e.value.body["code"] == "model_not_found"
-    shape(srv.http.get("/v1/nothing"), 404)
-    shape(srv.http.post("/v1/chat/completions", content=b"{not json"), 400)
-    shape(srv.http.post("/v1/chat/completions", json={"messages": []}), 400)
-    shape(srv.http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
-    shape(srv.http.post("/v1/completions", json={"prompt": ["a", "b"]}), 400)
+    _shape(srv.http.get("/v1/nothing"), 404)
+    _shape(srv.http.post("/v1/chat/completions", content=b"{not json"), 400)
+    _shape(srv.http.post("/v1/chat/completions", json={"messages": []}), 400)
+    _shape(srv.http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    _shape(srv.http.post("/v1/completions", json={"prompt": ["a", "b"]}), 400)
     with pytest.raises(openai.BadRequestError) as e:
         srv.client.completions.create(model=srv.name, prompt="word " * (N_CTX + 10), max_tokens=4)
     assert e.value.body["code"] == "context_length_exceeded"
     # a context-full prompt is refused before any stream starts
     r = srv.http.post("/v1/completions", json={"prompt": "word " * (N_CTX + 10), "stream": True})
-    assert shape(r, 400)["code"] == "context_length_exceeded"
+    assert _shape(r, 400)["code"] == "context_length_exceeded"
+    srv.idle()
+
+
+def test_metrics_need_the_key(srv):
+    # as llama-server: with an API key only /health is open (/metrics shows traffic and load)
+    err = _shape(httpx.get(srv.url + "/metrics"), 401)
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    _shape(httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer wrong"}), 401)
+    assert srv.http.get("/metrics").status_code == 200
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_body_too_large_and_wrong_method(srv):
+    # sent chunked (no Content-Length): the server reads up to 16 MiB, not the whole body
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(16):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = srv.http.post("/v1/completions", content=body(), headers={"Content-Type": "application/json"})
+    assert "16 MiB" in _shape(r, 413)["message"]
+    assert _shape(srv.http.get("/v1/chat/completions"), 405)["code"] == "method_not_allowed"
+
+
+NEST = 100_000
+A_USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
+    ("/v1/completions", b"[" * NEST + b"]" * NEST, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),
+    ("/v1/completions", b"\xff\xfe", None),
+    ("/v1/completions", [1, 2], None),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, None),
+    ("/v1/completions", {"prompt": [-1]}, None),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ("/v1/chat/completions", {"messages": [A_USER], "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{**A_USER, "tool_calls": []}]}, "messages[0].tool_calls"),
+    ("/v1/chat/completions", {"messages": [A_USER], "model": 7}, "model"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "x", "add_special": "yes"}, "add_special"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_user_mistakes_are_400_never_500(srv, path, body, param):
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    err = _shape(srv.http.post(path, **kw), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_seed_minus_one_is_random_as_in_llama_server(srv):
+    r = srv.client.completions.create(model=srv.name, prompt="Hi", max_tokens=2, seed=-1)
+    assert 1 <= r.usage.completion_tokens <= 2
     srv.idle()
 
 
@@ -325,38 +368,8 @@ def test_metrics_parse(srv):
     assert m[("edgellm_kv_blocks_total", ())] == stats["kv_blocks_total"]
     assert m[("edgellm_kv_blocks_used", ())] == stats["kv_blocks_used"] == 0  # idle: nothing held
     assert m[("edgellm_kv_blocks_cached", ())] == stats["kv_blocks_cached"] > 0  # earlier prompts kept
+    assert m[("edgellm_kv_blocks_free", ())] + m[("edgellm_kv_blocks_cached", ())] == stats["kv_blocks_total"]
+    assert m[("edgellm_http_requests_in_flight", ())] == 0
     inf = m[("edgellm_e2e_request_latency_seconds_bucket", (("le", "+Inf"),))]
     assert inf == m[("edgellm_e2e_request_latency_seconds_count", ())] >= 1
     assert m[("edgellm_request_errors_total", (("status", "400"),))] >= 1
-
-
-# --- the command ---------------------------------------------------------------------------------
-def test_serve_command_loads_answers_and_stops_on_sigint(smollm2_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "serve", str(smollm2_path), "--port", "0", "-np", "1",
-                             "-c", "256", "-t", "1", "--alias", "smol"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stderr.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
-        statuses = []
-        for _ in range(600):
-            r = httpx.get(url + "/health")
-            statuses.append(r.status_code)
-            if r.status_code == 200:
-                break
-            time.sleep(0.1)
-        assert statuses[-1] == 200 and set(statuses) <= {200, 503}
-        ready = proc.stdout.readline()
-        while "ready" not in ready:
-            ready = proc.stdout.readline()
-        assert f"model 'smol' ready: {url}/v1" in ready
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model="smol", messages=HI, max_tokens=3, temperature=0)
-        assert r.usage.completion_tokens <= 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

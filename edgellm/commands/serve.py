@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--alias", default=None, metavar="NAME", help="model name for clients (default: the file's stem)")
     p.add_argument("--vram", default=None, metavar="SIZE", help="GPU memory budget for --gpu-layers auto")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on Ctrl+C / SIGTERM, running requests get S seconds to finish, then they are "
+                        "ended (default 10)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
 
 
@@ -43,7 +46,8 @@ def _check(args) -> None:
     if args.cache_type_v is not None and args.cache_type_v != args.cache_type_k:
         raise InvalidArgumentError("-ctk and -ctv must name the same type (the KV cache has one element type)")
     for flag, v, lo in (("--parallel", args.parallel, 1), ("--queue", args.queue, 0), ("--ctx", args.ctx, 1),
-                        ("--port", args.port, 0), ("--kv-size", args.kv_size or 1, 1)):
+                        ("--port", args.port, 0), ("--kv-size", args.kv_size or 1, 1),
+                        ("--shutdown-timeout", args.shutdown_timeout, 0)):
         if v < lo:
             raise InvalidArgumentError(f"{flag} must be >= {lo}, got {v}")
     if args.port > 65535:
@@ -64,9 +68,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _quiet_exit(server_class):
-    """uvicorn's Server, except that SIGINT / SIGTERM end it with exit code 0: after its graceful
-    shutdown uvicorn raises the caught signal again, which would exit 130 / -15."""
+def _graceful(server_class, engine, grace: float):
+    """uvicorn's Server, stopping the way `edgellm serve` promises on SIGINT / SIGTERM: stop
+    accepting, give running requests `grace` seconds, end the rest with a message to their clients
+    (before uvicorn's own wait, which would cancel their tasks with a traceback), exit code 0 (after
+    its graceful shutdown uvicorn raises the caught signal again: exit 130 / -15)."""
 
     class Server(server_class):
         def handle_exit(self, sig, frame) -> None:
@@ -74,6 +80,20 @@ def _quiet_exit(server_class):
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            for server in getattr(self, "servers", []):
+                server.close()  # no new connections while the running requests finish
+            for sock in sockets or []:
+                sock.close()
+            if engine.streams:
+                print(f"edgellm serve: stopping; {len(engine.streams)} running request(s) get up to "
+                      f"{grace:g} s to finish (Ctrl+C again: end them now)", file=sys.stderr, flush=True)
+            ended = await engine.drain(grace, give_up=lambda: self.force_exit)
+            if ended:
+                print(f"edgellm serve: ended {ended} request(s) still running", file=sys.stderr, flush=True)
+            self.force_exit = False  # the requests are over: let uvicorn close the connections normally
+            await super().shutdown(sockets)
 
     return Server
 
@@ -103,7 +123,7 @@ def run(args) -> int:
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)
     config = uvicorn.Config(build_app(server), log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, timeout_graceful_shutdown=10, lifespan="off")
-    userver = _quiet_exit(uvicorn.Server)(config)
+    userver = _graceful(uvicorn.Server, engine, args.shutdown_timeout)(config)
     shown = "[" + host + "]" if ":" in host else host
     print(f"edgellm serve: loading {path.name}; listening on http://{shown}:{port} (/health is 503 until loaded)",
           file=sys.stderr, flush=True)

@@ -26,13 +26,38 @@ MAX_BODY_BYTES = 16 << 20
 PING_SECONDS = 5.0  # an SSE comment line while no token comes (a long prompt, a full queue)
 
 
+_SHUTDOWN = P.APIError(503, "the server is shutting down; the answer was cut short", code="server_shutting_down")
+
+
 def _error(e: P.APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")  # Python's json module would accept NaN and Infinity
+
+
 def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Events(StreamingResponse):
+    """Server-sent events whose end always reaches the engine: however the response ends (the
+    client left, the server stopped) the event generator is closed at once, not when the garbage
+    collector finds it, and `on_end` runs (it cancels a sequence whose events never started)."""
+
+    def __init__(self, events, on_end):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_end()
 
 
 async def _disconnected(request: Request) -> None:
@@ -78,16 +103,23 @@ class Server:
 
     @staticmethod
     async def _json(request: Request):
+        too_large = P.APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise P.APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise P.APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+            raise too_large
+        parts, n = [], 0
+        async for part in request.stream():  # read up to the limit only (a chunked body has no length)
+            n += len(part)
+            if n > MAX_BODY_BYTES:
+                raise too_large
+            parts.append(part)
+        raw = b"".join(parts)
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_no_constant)
         except ValueError as exc:
             raise P.APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise P.APIError(400, "the request body is nested too deeply") from None
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
@@ -107,7 +139,8 @@ class Server:
 
     async def metrics_text(self, request: Request) -> Response:
         stats = await asyncio.to_thread(self.engine.model.engine_stats) if self.engine.loaded else None
-        return PlainTextResponse(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.render(stats, self.engine.in_flight),
+                                 media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
         meta = {}
@@ -164,8 +197,7 @@ class Server:
         stream = await self.engine.open(make_prompt, p.sampling.submit_kwargs(self.engine.model.n_ctx))
         rid = ("chatcmpl-" if p.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         if p.stream:
-            return StreamingResponse(self._sse(p, stream, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _Events(self._sse(p, stream, rid), lambda: self._abandon(stream))
         collect = asyncio.ensure_future(self._collect(stream))
         gone = asyncio.ensure_future(_disconnected(request))
         finished = False
@@ -206,11 +238,23 @@ class Server:
         except P.APIError:
             self._finish(stream, "error", n, first, last)
             raise
+        if stream.aborted and finish is None:
+            self._finish(stream, "shutdown", n, first, last)
+            raise _SHUTDOWN
         self._finish(stream, finish or "stop", n, first, last)
         return "".join(parts), pieces, finish or "stop"
 
     def _finish(self, stream: Stream, reason: str, n: int, first, last) -> None:
-        self.metrics.request_done(reason, stream.t_start, first, last, n)
+        if not stream.reported:  # once per request, however it ended
+            stream.reported = True
+            self.metrics.request_done(reason, stream.t_start, first, last, n)
+
+    def _abandon(self, stream: Stream) -> None:
+        """A streamed response ended: if its events never ran to an end (the client left before
+        the first one was sent), cancel the sequence now."""
+        if not stream.reported:
+            stream.cancel()
+            self._finish(stream, "cancelled", 0, None, None)
 
     async def _sse(self, p: P.Parsed, stream: Stream, rid: str):
         created = int(time.time())
@@ -248,6 +292,10 @@ class Server:
                     reason = piece.finish_reason
                 elif piece.text or pieces:
                     yield _event(chunk(piece.text, None, pieces))
+            if stream.aborted and held is None:  # the server stops: say so, not finish an answer cut short
+                reason = "shutdown"
+                yield _event(_SHUTDOWN.body())
+                return
             if held is None:  # ended without a finish reason (cannot happen with a conforming engine)
                 held, reason = chunk("", "stop", []), "stop"
             held["timings"] = P.timings(stream.stats)

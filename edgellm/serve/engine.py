@@ -43,6 +43,8 @@ class Stream:
         self.request = None
         self.stats = None
         self.cancelled = threading.Event()
+        self.aborted = False  # ended by the server (shutting down), not by the client or the engine
+        self.reported = False  # counted in the metrics (once, whichever way it ended)
         self.t_start = time.perf_counter()
 
     def _post(self, item) -> None:
@@ -88,6 +90,11 @@ class Stream:
         self.cancelled.set()
         if self.request is not None:
             self.request.cancel()
+
+    def abort(self) -> None:
+        """End the request because the server stops: the client is told so instead of a finish."""
+        self.aborted = True
+        self.cancel()
 
     async def started(self) -> None:
         """Wait until the engine took the request, or raise what submit raised, mapped to an APIError."""
@@ -136,6 +143,8 @@ class Engine:
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
         self.in_flight = 0  # requests admitted and not finished (touched on the event loop only)
+        self.streams: set[Stream] = set()  # their Streams
+        self.closing = False  # shutting down: no new requests
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self._load_thread, name="edgellm-load", daemon=True)
@@ -166,17 +175,22 @@ class Engine:
         return self.slots if self.loaded else 0
 
     def require(self) -> None:
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
         if not self.loaded:
             raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading")
 
     async def open(self, make_prompt, kwargs: dict) -> Stream:
         """Admit a request and start it; raises APIError 503 when the queue is full."""
         self.require()
+        if self.closing:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.in_flight >= self.n_seq + self.max_waiting:
             raise APIError(503, f"the server is busy ({self.in_flight} requests running or waiting); "
                                 "retry later", code="queue_full")
         stream = Stream(self, asyncio.get_running_loop())
         self.in_flight += 1
+        self.streams.add(stream)
         t = threading.Thread(target=self._run, args=(stream, make_prompt, kwargs), name="edgellm-request",
                              daemon=True)
         t.start()
@@ -191,7 +205,25 @@ class Engine:
         try:
             stream._run(make_prompt, kwargs)
         finally:
-            stream.loop.call_soon_threadsafe(self._done)
+            stream.loop.call_soon_threadsafe(self._done, stream)
 
-    def _done(self) -> None:
+    def _done(self, stream: Stream) -> None:
         self.in_flight -= 1
+        self.streams.discard(stream)
+
+    async def drain(self, grace: float, give_up=lambda: False) -> int:
+        """Shutting down: refuse new requests, give the running ones up to `grace` seconds to
+        finish, then end the rest (their clients are told the server stops). Returns how many were
+        ended; waits (a few seconds at most) until their threads have let go of the engine."""
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + grace
+        while self.streams and loop.time() < t_end and not give_up():
+            await asyncio.sleep(0.05)
+        left = list(self.streams)
+        for stream in left:
+            stream.abort()
+        t_end = loop.time() + 5.0
+        while self.streams and loop.time() < t_end:
+            await asyncio.sleep(0.02)
+        return len(left)

@@ -82,8 +82,10 @@ class Metrics:
     def error(self, status: int) -> None:
         self.errors[status] = self.errors.get(status, 0) + 1
 
-    def render(self, engine_stats: dict | None) -> str:
-        out = []
+    def render(self, engine_stats: dict | None, in_flight: int = 0) -> str:
+        name = f"{PREFIX}_http_requests_in_flight"
+        out = [f"# HELP {name} Generation requests the server admitted and has not finished.",
+               f"# TYPE {name} gauge", f"{name} {in_flight}"]
         for key, (name, kind, help_) in ENGINE_METRICS.items():
             if engine_stats is None or key not in engine_stats:
                 continue

@@ -142,10 +142,12 @@ def _sampling(body: dict, max_tokens_field: str | None = None) -> Sampling:
     for name, lo, hi, integer, lo_open in (("temperature", 0, 2, False, False), ("top_p", 0, 1, False, True),
                                            ("top_k", 0, 2**31 - 1, True, False), ("min_p", 0, 1, False, False),
                                            ("repeat_penalty", 0, 10, False, True),
-                                           ("seed", -2**63, 2**64 - 1, True, False)):
+                                           ("seed", -1, 2**63 - 1, True, False)):
         v = _number(body, name, lo, hi, integer=integer, lo_open=lo_open)
         if v is not None:
             setattr(s, name, v)
+    if s.seed == -1:  # llama-server's "a random seed"
+        s.seed = None
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
