@@ -291,9 +291,15 @@ class CPUBackend(NumpyBackend):
         self._act_buffers = None
 
     def _matrix(self, w: QMatrix):
-        """w bound to its kernels once (checks and kernel lookup paid at the first product)."""
+        """w bound to its kernels once (checks and kernel lookup paid at the first product): its
+        bytes must be exactly n_rows rows of n_cols weights; each product then checks the widths
+        of x and out against the bound matrix (kernels/cpu Matrix), decode_block against the
+        block's activations (validate.check_fused_block)."""
         entry = self._bound.get(id(w))
         if entry is None:
+            from edgellm.validate import check_matrix_bytes
+
+            check_matrix_bytes(w)
             entry = self._bound[id(w)] = (w, self.kernels.bind(w.ggml_type, w.data, w.n_cols))
         return entry[1]
 
@@ -413,6 +419,12 @@ class CPUBackend(NumpyBackend):
         if plan is False:
             return False
         kc, vc = kv.kernel_arrays()
+        checked = plan[3]  # the scratch, cache shapes and width the block was last checked against
+        if checked[0] is not s or checked[1] != kc.shape or checked[2] != vc.shape or checked[3] != x.shape[1]:
+            from edgellm.validate import check_fused_block
+
+            check_fused_block(L, x, s, kc, vc)
+            checked[:] = [s, kc.shape, vc.shape, x.shape[1]]
         p = int(pos[-1])
         cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, p + 1)
         slots = kv.slots(pos)
@@ -420,7 +432,7 @@ class CPUBackend(NumpyBackend):
             kv.n_used = max(kv.n_used, int(slots[0]) + 1)
         kmap, kbeg, kend, _, _ = attention_layout(kv, 1)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
-        weights, norms, tids = plan
+        weights, norms, tids, _ = plan
         self.fused_ops.decode_block(
             x, s.h, s.q.reshape(1, n_head, -1), s.k.reshape(1, n_kv, -1), s.v.reshape(1, n_kv, -1), s.a, s.o,
             s.gate, s.up, *self._fused_activations(max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
@@ -441,7 +453,7 @@ class CPUBackend(NumpyBackend):
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64)
+        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64), [None, None, None, -1]
 
     def _fused_activations(self, n: int):
         """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""

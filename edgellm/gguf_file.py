@@ -20,6 +20,7 @@ import mmap
 import os
 import stat
 import struct
+import weakref
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,7 +85,10 @@ class TensorInfo:
     ne: tuple[int, ...]  # GGUF order: ne[0] = elements per row
     offset: int  # absolute byte offset in the file
     nbytes: int
-    _file: "GGUFFile"
+    # A weak reference: the file holds its tensors, and a strong reference back would make a cycle
+    # that keeps the map (the whole model file) until the cycle collector runs. The views that
+    # `data` hands out hold the map themselves, so the weights stay readable while they are used.
+    _file: "weakref.ref[GGUFFile]"
 
     @property
     def n_cols(self) -> int:
@@ -106,7 +110,11 @@ class TensorInfo:
     @property
     def data(self) -> np.ndarray:
         """uint8 (n_rows, row_bytes) view of the mapped file; never a copy."""
-        flat = self._file._map[self.offset : self.offset + self.nbytes]
+        file = self._file()
+        whole = None if file is None else file._map
+        if whole is None:
+            raise GGUFError(f"tensor '{printable(self.name)}': its GGUF file was closed; open the file again")
+        flat = whole[self.offset : self.offset + self.nbytes]
         return flat.reshape(self.n_rows, self.nbytes // self.n_rows)
 
     def as_float32(self) -> np.ndarray:
@@ -148,6 +156,12 @@ class StringArray(Sequence):
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
+
+    def max_bytes(self) -> int:
+        """UTF-8 bytes of the longest string (0 when there is none)."""
+        if len(self._offsets) < 2:
+            return 0
+        return int(np.diff(np.frombuffer(self._offsets, dtype=np.int64)).max())
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -365,6 +379,7 @@ class GGUFFile:
         self.alignment = alignment
         self.data_offset = (cur.pos + alignment - 1) // alignment * alignment
         self._map = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._self_ref = weakref.ref(self)
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, type_id, offset in raw_tensors:
             self.tensors[name] = self._tensor_info(name, ne, type_id, offset)
@@ -403,7 +418,7 @@ class GGUFFile:
                 f"{self.path}: tensor '{shown}' ({qtype.name}, {list(ne)}, {nbytes} bytes at byte {start}) "
                 f"reaches past the end of the {self.file_size}-byte file: the file is truncated; re-download it"
             )
-        return TensorInfo(name, qtype, ne, start, nbytes, self)
+        return TensorInfo(name, qtype, ne, start, nbytes, self._self_ref)
 
     # ---------------------------------------------------------------------------------------
     @cached_property
