@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         print(f"after: {time.process_time() - t0:.3f} s CPU to the error ({len(text) / 2**20:.0f} MiB prompt): {exc}")
     src = subprocess.run(["git", "show", f"{args.base}:edgellm/tokenizer.py"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
-    old = types.ModuleType("tokenizer_base")
+    old = sys.modules["tokenizer_base"] = types.ModuleType("tokenizer_base")
     exec(compile(src, "tokenizer_base.py", "exec"), old.__dict__)
     tok = old.Tokenizer.from_metadata(m.metadata)
     base_text = text if args.base_mb is None else text[: int(args.base_mb * 2**20)]

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     src = subprocess.run(["git", "show", f"{args.base}:edgellm/backend_cpu.py"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
-    old = types.ModuleType("backend_cpu_base")
+    old = sys.modules["backend_cpu_base"] = types.ModuleType("backend_cpu_base")
     exec(compile(src, "backend_cpu_base.py", "exec"), old.__dict__)
     versions = {"A (guard)": (CPUBackend.decode_block, CPUBackend._fused_plan),
                 "B (base)": (old.CPUBackend.decode_block, old.CPUBackend._fused_plan)}
