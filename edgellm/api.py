@@ -210,6 +210,9 @@ class Model:
         elif prompt is None or isinstance(prompt, bytes):
             raise InvalidArgumentError("the prompt must be a str or a list of token ids")
         else:
+            if isinstance(prompt, (list, tuple)) and len(prompt) >= self.n_ctx:  # before checking each id
+                raise ContextFullError(f"the prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; "
+                                       "shorten the prompt or load with a larger n_ctx (-c)")
             ids = token_ids(prompt, self.n_vocab, "a prompt of token ids")
         if not ids:
             raise InvalidArgumentError("the prompt is empty")

@@ -219,11 +219,26 @@ def test_del_model_unmaps_the_file_without_the_cycle_collector():
         del m
         assert _maps_of(path) == before_maps  # unmapped by reference counting alone
         assert len(os.listdir("/proc/self/fd")) <= before_fds
+        t = GGUFFile(path).tensor("output_norm.weight")  # the tensor keeps the bytes, not the file
+        assert _maps_of(path) == before_maps + 1 and t.data.shape == (1, 576 * 4)
+        del t
+        assert _maps_of(path) == before_maps
         gf = GGUFFile(path)
         t = gf.tensor("output_norm.weight")
-        del gf
-        assert _maps_of(path) == before_maps
+        gf.close()
         with pytest.raises(EdgeLLMError):
-            t.data  # noqa: B018 - the file is gone: one clear error
+            t.data  # noqa: B018 - the file was closed: one clear error
     finally:
         gc.enable()
+
+
+@pytest.mark.real
+def test_huge_lists_of_token_ids_are_refused_before_each_id_is_checked(smol):
+    ids = [1] * 20_000_000
+    for call in (lambda: smol.eval(ids), lambda: smol.logits(ids), lambda: smol.generate(ids, max_tokens=1)):
+        t0 = time.process_time()
+        with pytest.raises(ContextFullError):
+            call()
+        assert time.process_time() - t0 < 0.5
+    smol.reset()
+    assert np.isfinite(smol.eval([1, 2])).all()
