@@ -409,33 +409,39 @@ class CPUBackend(NumpyBackend):
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:
-        """One token through block L (weights as Decoder loads them) in one kernel call
-        (kernels/cpu/fused.py), x (1, n_embd) updated in place, s the decoder's scratch. Returns
-        False, having done nothing, when the block needs the unfused ops: a weight type without a
-        row kernel there, or a cache the kernels cannot read natively."""
+        """n decode tokens, each of its own sequence (the step layout's single tokens), through
+        block L (weights as Decoder loads them) in one kernel call (kernels/cpu/fused.py), x
+        (n, n_embd) updated in place, s the decoder's scratch for n rows. Each token gets the bits
+        it gets through the block alone. Returns False, having done nothing, when the block needs
+        the unfused ops: a weight type without a row kernel there, or a cache the kernels cannot
+        read natively."""
         plan = self._fused.get(id(L))
         if plan is None:
             plan = self._fused[id(L)] = self._fused_plan(L, kv)
         if plan is False:
             return False
+        n = x.shape[0]
         kc, vc = kv.kernel_arrays()
-        checked = plan[3]  # the scratch, cache shapes and width the block was last checked against
-        if checked[0] is not s or checked[1] != kc.shape or checked[2] != vc.shape or checked[3] != x.shape[1]:
+        checked = plan[3]  # id(scratch) -> (scratch, cache shapes, x shape) the block was checked against
+        seen = checked.get(id(s))
+        if seen is None or seen[0] is not s or seen[1] != kc.shape or seen[2] != vc.shape or seen[3] != x.shape:
             from edgellm.validate import check_fused_block
 
             check_fused_block(L, x, s, kc, vc)
-            checked[:] = [s, kc.shape, vc.shape, x.shape[1]]
-        p = int(pos[-1])
-        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, p + 1)
+            if len(checked) >= 8:  # scratch sets the decoder has let go of
+                checked.clear()
+            checked[id(s)] = (s, kc.shape, vc.shape, x.shape)
+        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
         slots = kv.slots(pos)
         if isinstance(kv, KVLayer):
-            kv.n_used = max(kv.n_used, int(slots[0]) + 1)
-        kmap, kbeg, kend, _, _ = attention_layout(kv, 1)
+            kv.n_used = max(kv.n_used, int(slots.max()) + 1)
+        kmap, kbeg, kend, _, _ = attention_layout(kv, n)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
         weights, norms, tids, _ = plan
         self.fused_ops.decode_block(
-            x, s.h, s.q.reshape(1, n_head, -1), s.k.reshape(1, n_kv, -1), s.v.reshape(1, n_kv, -1), s.a, s.o,
-            s.gate, s.up, *self._fused_activations(max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
+            x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
+            s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
+            *self._fused_activations(n * max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
             *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, slots, kmap, kbeg, kend,
             kv.window, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
         return True
@@ -453,7 +459,7 @@ class CPUBackend(NumpyBackend):
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64), [None, None, None, -1]
+        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64), {}
 
     def _fused_activations(self, n: int):
         """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""

@@ -281,15 +281,6 @@ class LayerKV:
         """Slots the step's tokens are written to (the step layout decides; positions unused)."""
         return self.layout.slots
 
-    def token_view(self, t: int) -> "LayerKV":
-        """This layer as token t of the step sees it alone (its write slot, its key list): a decode
-        token run through the one-token fused block."""
-        view = LayerKV.__new__(LayerKV)
-        view.__dict__.update(self.__dict__)
-        lay = self.layout
-        view.layout = StepLayout(lay.slots[t:t + 1], lay.kmap, lay.kbeg[t:t + 1], lay.kend[t:t + 1], 1, [])
-        return view
-
     def kernel_arrays(self):
         """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
         if getattr(self, "_kernel_arrays", None) is None:

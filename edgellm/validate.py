@@ -254,10 +254,10 @@ def check_matrix_bytes(w) -> None:
 def check_fused_block(L, x, s, kc, vc) -> None:
     """The fused one-token block (kernels/cpu/fused.py) reads each weight's rows at the width of
     the activation it multiplies and writes as many values as the weight has rows: every weight,
-    norm and bias of block L must fit the hidden state x (1, n_embd), the scratch s (q, k, v, a,
-    gate, ...) and the caches kc / vc (slots, n_kv, head_dim), or the kernel would read and write
-    past its buffers. CPUBackend calls this when a block meets a new scratch or cache (once per
-    model), not per token."""
+    norm and bias of block L must fit the hidden states x (n, n_embd), the scratch s (q, k, v, a,
+    gate, ... of at least n rows) and the caches kc / vc (slots, n_kv, head_dim), or the kernel
+    would read and write past its buffers. CPUBackend calls this when a block meets a new scratch,
+    cache or batch shape, not per token."""
     n_embd, n_q, n_k, n_v, n_att, n_ff = (x.shape[1], s.q.shape[1], s.k.shape[1], s.v.shape[1],
                                           s.a.shape[1], s.gate.shape[1])
     n_kv, hd_k, hd_v = kc.shape[1], kc.shape[2], vc.shape[2]
@@ -278,7 +278,8 @@ def check_fused_block(L, x, s, kc, vc) -> None:
     n_head = n_q // hd_k if hd_k else 0
     if (vc.shape[1] != n_kv or n_kv * hd_k != n_k or n_kv * hd_v != n_v or n_head * hd_k != n_q
             or not n_kv or n_head % n_kv or n_head * hd_v != n_att or s.h.shape[1] != n_embd
-            or s.o.shape[1] != n_embd or s.up.shape[1] != n_ff):
+            or s.o.shape[1] != n_embd or s.up.shape[1] != n_ff
+            or min(getattr(s, k).shape[0] for k in ("h", "q", "k", "v", "a", "o", "gate", "up")) < x.shape[0]):
         problems.append(f"the KV cache ({n_kv} heads of {hd_k} / {hd_v}) and the activations (q {n_q}, "
                         f"k {n_k}, v {n_v}, attention {n_att}, n_embd {n_embd}, n_ff {n_ff}) disagree")
     if problems:

@@ -25,10 +25,9 @@ BIASES = ("attn_q", "attn_k", "attn_v")
 # than 8 tokens take the one-token order, so the last chunk is never shorter than 8 (FFN_TAIL_MIN).
 FFN_CHUNK = 128
 FFN_TAIL_MIN = 8
-# A step of up to ALONE_MAX decode tokens (one per sequence) runs each token through the fused
-# one-token block: on two cores that is faster than the batch products for so few tokens (SmolLM2:
-# 2 sequences 62 -> ~155 t/s, 6: ~125 -> ~150; from 8 the batch products win), and each sequence
-# gets the bits it gets decoded alone.
+# A step of up to ALONE_MAX decode tokens (one per sequence) runs through the fused decode block
+# (each token with the one-token kernels and order: the bits it gets decoded alone; the weights
+# read once for all of them); from 8 the batch products win.
 ALONE_MAX = 7
 # Scratch buffer sets kept per backend besides the one-token set: a step of many sequences has
 # its batch size and the number of rows that reach the output head.
@@ -133,13 +132,13 @@ class Decoder:
         q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
         decode_block = getattr(b, "decode_block", None)
         lay = getattr(kv, "layout", None)
-        if (1 < n <= ALONE_MAX and decode_block is not None and hasattr(kv, "token_view")
-                and lay.n_single == n and self._decode_alone(il, b, x, pos, kv, decode_block)):
-            return x if rows is None else x[rows]  # each sequence's token through the one-token block
-        if n == 1 and decode_block is not None and decode_block(
-                L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale, neox=self.ROPE_NEOX,
-                scale=att_scale, gelu=self.ACTIVATION == "gelu", q_scale=q_scale):
-            return x  # the backend ran the whole block in one fused call
+        if (decode_block is not None and (n == 1 or (n <= ALONE_MAX and getattr(lay, "n_single", 0) == n))
+                and decode_block(L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
+                                 neox=self.ROPE_NEOX, scale=att_scale, gelu=self.ACTIVATION == "gelu",
+                                 q_scale=q_scale)):
+            # the backend ran the whole block in one fused call: decode tokens, one per sequence,
+            # each with the bits it gets alone
+            return x if rows is None else x[rows]
         add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
         qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
         linear_many = getattr(b, "linear_many", None) or partial(_linear_many_by_ops, b)
@@ -174,21 +173,6 @@ class Decoder:
         # (post-norm,) residual connection
         add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
         return x
-
-    def _decode_alone(self, il: int, b, x, pos, kv, decode_block) -> bool:
-        """Decode tokens of n sequences, each through the fused one-token block on its own key list
-        (the results each token gets decoded alone, bit for bit). False (nothing done) when the
-        backend cannot fuse this block."""
-        cfg, L = self.cfg, self.blocks[il]
-        s = self.scratch(b, 1)
-        base, scale = self.rope_params(il)
-        q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
-        for t in range(x.shape[0]):
-            if not decode_block(L, x[t:t + 1], pos[t:t + 1], kv.token_view(t), s, eps=cfg.rms_eps, n_rot=cfg.n_rot,
-                                freq_base=base, freq_scale=scale, neox=self.ROPE_NEOX, scale=att_scale,
-                                gelu=self.ACTIVATION == "gelu", q_scale=q_scale):
-                return False  # the first token already (the block's weights decide)
-        return True
 
     def head(self, x) -> np.ndarray:
         """Final norm and output head on the output backend; x (n, n_embd) on that backend.

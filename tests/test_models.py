@@ -115,7 +115,7 @@ class UnfusedCPU(CPUBackend):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_fused_decode_block_is_the_unfused_ops_bit_for_bit(synthetic, arch, qtype):
     path = synthetic(arch, qtype)
     fused_backend = CPUBackend()
@@ -205,13 +205,12 @@ def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(syntheti
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch):
-    """A step of decode tokens from 3 sequences (each through the fused one-token block on its own
-    key list) gives each the logits of decoding it alone, bit for bit."""
-    from edgellm.runtime import Runtime  # noqa: F401
-
-    path = synthetic(arch, T.Q4_K)
+@pytest.mark.parametrize("arch,qtype", [("llama", T.Q4_K), ("gemma3", T.Q4_K), ("llama", T.Q4_0),
+                                        ("llama", T.Q4_1), ("qwen2", T.Q6_K), ("llama", T.Q3_K)])
+def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch, qtype):
+    """A step of decode tokens from 3 sequences (one fused block call for the three, each token
+    on its own key list) gives each the logits of decoding it alone, bit for bit."""
+    path = synthetic(arch, qtype)
     prompts = [TOKENS[:7], TOKENS[3:15], TOKENS[8:10]]
     rt = runtime(path, {"cpu": CPUBackend()}, n_ctx=64, n_batch=16)
     alone = []

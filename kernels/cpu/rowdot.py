@@ -316,31 +316,28 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
         def body(i, acc, s):
             o = builder.add(w_off_, builder.mul(i, const(210)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
+            # the 16 scales once as <16 x i16>; each 32-weight group's pair of them by a shuffle
+            sc16 = builder.sext(_load_vec(builder, wp, builder.add(o, const(192)), _i8(16)), _i16(16))
             sumi = ir.Constant(_i32(8), [0] * 8)
             for h in range(2):
                 qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
+                ql = [_load_vec(builder, wp, builder.add(o, const(64 * h + 32 * k)), _i8(32)) for k in (0, 1)]
                 for t in range(4):
-                    ql = _load_vec(builder, wp, builder.add(o, const(64 * h + 32 * (t % 2))), _i8(32))
-                    lo = builder.and_(builder.lshr(ql, ir.Constant(_i8(32), [4 * (t // 2)] * 32)),
-                                      ir.Constant(_i8(32), [15] * 32))
-                    hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [2 * t] * 32)),
-                                      ir.Constant(_i8(32), [3] * 32))
-                    q = builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32)))
+                    lo = ql[t % 2] if t < 2 else builder.lshr(ql[t % 2], ir.Constant(_i8(32), [4] * 32))
+                    lo = builder.and_(lo, ir.Constant(_i8(32), [15] * 32))
+                    hi = builder.and_(builder.shl(qh, ir.Constant(_i8(32), [4 - 2 * t] * 32)) if t < 2 else
+                                      builder.lshr(qh, ir.Constant(_i8(32), [2 * t - 4] * 32)),
+                                      ir.Constant(_i8(32), [48] * 32))
+                    q = builder.or_(lo, hi)
                     y = _load_vec(builder, xp, builder.add(xo, const(128 * h + 32 * t)), _i8(32))
                     g = 8 * h + 2 * t
-                    sc = [builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + g + k))])),
-                                       ir.IntType(32)) for k in (0, 1)]
-                    sumi = builder.add(sumi, _scaled_quads(builder, q, y, sc[0], sc[1]))
+                    sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
+                    sumi = builder.add(sumi, _pair_scaled(builder, q, y, sc))
             # the -32 of every weight, per lane: 32 * (sc[2l] * xs[2l] + sc[2l+1] * xs[2l+1])
+            # (xs: sums of 16 int8 values, |xs| <= 2048, exact in int16)
             s16 = builder.mul(builder.add(b_off_, i), const(16))
-            sub = []
-            for k in range(16):
-                sck = builder.sext(builder.load(builder.gep(wp, [builder.add(o, const(192 + k))])), ir.IntType(32))
-                sub.append(builder.mul(sck, builder.load(builder.gep(sp, [builder.add(s16, const(k))]))))
-            offs = ir.Constant(_i32(8), [0] * 8)
-            for lane in range(8):
-                pair = builder.shl(builder.add(sub[2 * lane], sub[2 * lane + 1]), ir.Constant(ir.IntType(32), 5))
-                offs = builder.insert_element(offs, pair, ir.Constant(ir.IntType(32), lane))
+            xs16 = builder.trunc(_load_vec(builder, sp, s16, _i32(16)), _i16(16))
+            offs = builder.shl(_madd16(builder, sc16, xs16), ir.Constant(_i32(8), [5] * 8))
             sumi = builder.sub(sumi, offs)
             d = builder.fmul(builder.load(builder.gep(dp, [builder.add(b_off_, i)])),
                              _load_half(builder, wp, builder.add(o, const(208))))
@@ -551,6 +548,27 @@ def _k_scale_min(builder, wp, o, b):
     return sc, mn
 
 
+def _k_scales(builder, wp, o):
+    """<16 x i16>: the eight 6-bit scales then the eight mins of the Q4_K super-block at byte o."""
+    def word(k):
+        return builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(4 + 4 * k))]),
+                                            ir.IntType(32).as_pointer()), align=1)
+
+    def c(v):
+        return ir.Constant(ir.IntType(32), v)
+
+    u0, u1, u2 = word(0), word(1), word(2)
+    lo6, lo4, hi2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    sc03, mn03 = builder.and_(u0, lo6), builder.and_(u1, lo6)
+    sc47 = builder.or_(builder.and_(u2, lo4), builder.shl(builder.and_(builder.lshr(u0, c(6)), hi2), c(4)))
+    mn47 = builder.or_(builder.and_(builder.lshr(u2, c(4)), lo4),
+                       builder.shl(builder.and_(builder.lshr(u1, c(6)), hi2), c(4)))
+    v = ir.Constant(_i32(4), ir.Undefined)
+    for k, part in enumerate((sc03, sc47, mn03, mn47)):
+        v = builder.insert_element(v, part, c(k))
+    return builder.zext(builder.bitcast(v, _i8(16)), _i16(16))
+
+
 @intrinsic
 def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     """float32: a Q5_K row (176-byte super-blocks: d, dmin, scales[12], qh[32], qs[128]) times x in
@@ -570,21 +588,26 @@ def rowdot_q5_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
             o = builder.add(w_off_, builder.mul(i, const(176)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
             bi = builder.add(b_off_, i)
-            s16 = builder.mul(bi, const(16))
             qh = _load_vec(builder, wp, builder.add(o, const(16)), _i8(32))
+            sm = _k_scales(builder, wp, o)  # <16 x i16>: the eight scales, then the eight mins
             sumi = ir.Constant(_i32(8), [0] * 8)
-            msum = ir.Constant(ir.IntType(32), 0)
-            for b in range(8):
-                qs = _load_vec(builder, wp, builder.add(o, const(48 + 32 * (b // 2))), _i8(32))
-                lo = builder.and_(builder.lshr(qs, ir.Constant(_i8(32), [4 * (b % 2)] * 32)), ir.Constant(_i8(32), [15] * 32))
-                hi = builder.and_(builder.lshr(qh, ir.Constant(_i8(32), [b] * 32)), ir.Constant(_i8(32), [1] * 32))
-                q = builder.or_(lo, builder.shl(hi, ir.Constant(_i8(32), [4] * 32)))
-                y = _load_vec(builder, xp, builder.add(xo, const(32 * b)), _i8(32))
-                sc, mn = _k_scale_min(builder, wp, builder.add(o, const(4)), b)
-                sumi = builder.add(sumi, _scaled_quads(builder, q, y, sc, sc))
-                bs = builder.add(builder.load(builder.gep(sp, [builder.add(s16, const(2 * b))])),
-                                 builder.load(builder.gep(sp, [builder.add(s16, const(2 * b + 1))])))
-                msum = builder.add(msum, builder.mul(mn, bs))
+            for c in range(4):
+                qs = _load_vec(builder, wp, builder.add(o, const(48 + 32 * c)), _i8(32))
+                for half in range(2):
+                    b = 2 * c + half
+                    lo = builder.and_(qs if half == 0 else builder.lshr(qs, ir.Constant(_i8(32), [4] * 32)),
+                                      ir.Constant(_i8(32), [15] * 32))
+                    hi = (builder.shl(qh, ir.Constant(_i8(32), [4 - b] * 32)) if b < 4 else
+                          builder.lshr(qh, ir.Constant(_i8(32), [b - 4] * 32)))
+                    q = builder.or_(lo, builder.and_(hi, ir.Constant(_i8(32), [16] * 32)))
+                    y = _load_vec(builder, xp, builder.add(xo, const(32 * b)), _i8(32))
+                    sc = builder.shuffle_vector(sm, sm, ir.Constant(_i32(16), [b] * 16))
+                    sumi = builder.add(sumi, _pair_scaled(builder, q, y, sc))
+            # the mins: sum_b m_b (xs[2b] + xs[2b+1]) (xs: sums of 16 int8 values, exact in int16)
+            xs16 = builder.trunc(_load_vec(builder, sp, builder.mul(bi, const(16)), _i32(16)), _i16(16))
+            mins = builder.shuffle_vector(sm, sm, ir.Constant(_i32(16), [8 + k // 2 for k in range(16)]))
+            mv = _madd16(builder, mins, xs16)
+            msum = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_i32(8)]), [mv])
             dx = builder.load(builder.gep(dp, [bi]))
             d = builder.fmul(dx, _load_half(builder, wp, o))
             dmin = builder.fmul(builder.fneg(dx), _load_half(builder, wp, builder.add(o, const(2))))
@@ -762,6 +785,15 @@ def rowdot_q2_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     return sig, codegen
 
 
+def _maddubs16(builder, u8, s8):
+    """<16 x i16>: lane j = u8[2j] s8[2j] + u8[2j+1] s8[2j+1] (pmaddubsw; u8 small, no saturation)."""
+    if AVX2:
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
+    prod = builder.mul(builder.zext(u8, _i16(32)), builder.sext(s8, _i16(32)))
+    return builder.add(builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(0, 32, 2)))),
+                       builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(1, 32, 2)))))
+
+
 @intrinsic
 def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
     """float32: a Q3_K row (110-byte super-blocks: hmask[32], qs[64], scales[12], d) times x in
@@ -786,22 +818,39 @@ def rowdot_q3_k(typingctx, w, w_off, xq, x_off, xd, b_off, nb):
         def body(i, acc, s):
             o = builder.add(w_off_, builder.mul(i, const(110)))
             xo = builder.add(x_off_, builder.mul(i, const(256)))
-            sc = [builder.sub(builder.or_(bits(byte(o, 96 + g % 8), 4 * (g // 8), 15),
-                                          builder.shl(bits(byte(o, 104 + g % 4), 2 * (g // 4), 3), ir.Constant(i32, 4))),
-                              ir.Constant(i32, 32)) for g in range(16)]
+            # the 16 6-bit scales as <16 x i16>, from scales[12]: low nibbles of bytes 0..7 then
+            # their high nibbles; 2 high bits from bytes 8..11, shifted by 2 (g // 4)
+            b8 = builder.bitcast(builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(96))]),
+                                                              ir.IntType(64).as_pointer()), align=1), _i8(8))
+            b4 = builder.bitcast(builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(104))]),
+                                                              i32.as_pointer()), align=1), _i8(4))
+            lo = builder.shuffle_vector(b8, builder.lshr(b8, ir.Constant(_i8(8), [4] * 8)),
+                                        ir.Constant(_i32(16), list(range(16))))
+            lo = builder.and_(lo, ir.Constant(_i8(16), [15] * 16))
+            parts = [builder.lshr(b4, ir.Constant(_i8(4), [2 * k] * 4)) for k in range(4)]
+            hi = builder.shuffle_vector(builder.shuffle_vector(parts[0], parts[1], ir.Constant(_i32(8), list(range(8)))),
+                                        builder.shuffle_vector(parts[2], parts[3], ir.Constant(_i32(8), list(range(8)))),
+                                        ir.Constant(_i32(16), list(range(16))))
+            hi = builder.shl(builder.and_(hi, ir.Constant(_i8(16), [3] * 16)), ir.Constant(_i8(16), [4] * 16))
+            sc16 = builder.sub(builder.sext(builder.or_(lo, hi), _i16(16)), ir.Constant(_i16(16), [32] * 16))
             hmask = _load_vec(builder, wp, o, _i8(32))
             not_h = builder.xor(hmask, ir.Constant(_i8(32), [-1] * 32))
             sumi = ir.Constant(_i32(8), [0] * 8)
             for c in range(2):
                 qbits = _load_vec(builder, wp, builder.add(o, const(32 + 32 * c)), _i8(32))
                 for s_ in range(4):
-                    low = builder.and_(builder.lshr(qbits, ir.Constant(_i8(32), [2 * s_] * 32)), ir.Constant(_i8(32), [3] * 32))
-                    four = builder.shl(builder.and_(builder.lshr(not_h, ir.Constant(_i8(32), [4 * c + s_] * 32)),
-                                                    ir.Constant(_i8(32), [1] * 32)), ir.Constant(_i8(32), [2] * 32))
+                    low = builder.and_(qbits if s_ == 0 else builder.lshr(qbits, ir.Constant(_i8(32), [2 * s_] * 32)),
+                                       ir.Constant(_i8(32), [3] * 32))
+                    k = 4 * c + s_  # the hmask bit: 4 where it is clear
+                    four = (builder.shl(not_h, ir.Constant(_i8(32), [2 - k] * 32)) if k < 2 else
+                            builder.lshr(not_h, ir.Constant(_i8(32), [k - 2] * 32)) if k > 2 else not_h)
+                    four = builder.and_(four, ir.Constant(_i8(32), [4] * 32))
                     y = _load_vec(builder, xp, builder.add(xo, const(128 * c + 32 * s_)), _i8(32))
                     g = 8 * c + 2 * s_
-                    sumi = builder.add(sumi, builder.sub(_scaled_quads(builder, low, y, sc[g], sc[g + 1]),
-                                                         _scaled_quads(builder, four, y, sc[g], sc[g + 1])))
+                    # (low - four) . y per pair of bytes, exact in int16 (|.| <= 2 * 4 * 128)
+                    p16 = builder.sub(_maddubs16(builder, low, y), _maddubs16(builder, four, y))
+                    sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
+                    sumi = builder.add(sumi, _madd16(builder, p16, sc))
             d = builder.fmul(builder.load(builder.gep(dp, [builder.add(b_off_, i)])),
                              _load_half(builder, wp, builder.add(o, const(108))))
             acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(sumi, _V8F), acc)

@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
-from edgellm.kernels.cpu.rowdot import _V8F, _fma, _load_vec, _madd16, _ptr, const
+from edgellm.kernels.cpu.rowdot import _V8F, _fma, _k_scales, _load_vec, _madd16, _ptr, const
 
 _I32 = ir.IntType(32)
 
@@ -178,27 +178,6 @@ def rows8x4_q4_0(typingctx, w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off, o
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _k_scales(builder, wp, o):
-    """<16 x i16>: the eight 6-bit scales then the eight mins of the Q4_K super-block at byte o."""
-    def word(k):
-        return builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(4 + 4 * k))]),
-                                            _I32.as_pointer()), align=1)
-
-    def c(v):
-        return ir.Constant(_I32, v)
-
-    u0, u1, u2 = word(0), word(1), word(2)
-    lo6, lo4, hi2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
-    sc03, mn03 = builder.and_(u0, lo6), builder.and_(u1, lo6)
-    sc47 = builder.or_(builder.and_(u2, lo4), builder.shl(builder.and_(builder.lshr(u0, c(6)), hi2), c(4)))
-    mn47 = builder.or_(builder.and_(builder.lshr(u2, c(4)), lo4),
-                       builder.shl(builder.and_(builder.lshr(u1, c(6)), hi2), c(4)))
-    v = ir.Constant(_i32(4), ir.Undefined)
-    for k, part in enumerate((sc03, sc47, mn03, mn47)):
-        v = builder.insert_element(v, part, c(k))
-    return builder.zext(builder.bitcast(v, _i8(16)), _i16(16))
 
 
 def _q4_k_sums(builder, wp, offs, xp, sp, i):
