@@ -248,7 +248,7 @@ class Runtime:
                 raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
             return ids
         if isinstance(tokens, (list, tuple)) and len(tokens) > self.n_ctx:  # refused before checking each id
-            raise ContextFullError(f"{len(tokens)} tokens do not fit the context of {self.n_ctx}; "
+            raise ContextFullError(f"context full: {len(tokens)} new tokens > n_ctx {self.n_ctx}; "
                                    "pass fewer or load with a larger n_ctx")
         from edgellm.api import token_ids
 
