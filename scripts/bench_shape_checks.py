@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     backends = {id(b): b for b in m.runtime.model.layer_backends}.values()
     per_step = {k: [] for k in versions}
     for r in range(args.rounds + 1):
-        for name, (decode_block, fused_plan) in versions.items():
+        order = list(versions.items())
+        for name, (decode_block, fused_plan) in (order if r % 2 else order[::-1]):  # ABBA: no order bias
             CPUBackend.decode_block, CPUBackend._fused_plan = decode_block, fused_plan
             for b in backends:
                 b._fused.clear()
