@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from edgellm import sampling as _sampling
-from edgellm.errors import InvalidArgumentError
+from edgellm.errors import ContextFullError, InvalidArgumentError
 from edgellm.generate import Chunk, Request, SeqStream, Stats, split_stop as _split_stop  # noqa: F401
 
 
@@ -209,13 +209,21 @@ class Model:
     # --- generation -----------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_special=True, parse_special=True)
+            try:  # a prompt that cannot fit fails without being tokenized in full (one BOS may go below)
+                ids = self.tokenizer.tokenize(prompt, add_special=True, parse_special=True, limit=self.n_ctx)
+            except ContextFullError:
+                raise ContextFullError(
+                    f"the prompt is more than {self.n_ctx} tokens but the context holds {self.n_ctx}; "
+                    "shorten the prompt or load with a larger n_ctx (-c)") from None
             bos = self.tokenizer.bos_id
             if len(ids) >= 2 and bos is not None and ids[0] == bos and ids[1] == bos:
                 ids = ids[1:]  # a template that writes BOS itself
         elif prompt is None or isinstance(prompt, bytes):
             raise InvalidArgumentError("the prompt must be a str or a list of token ids")
         else:
+            if isinstance(prompt, (list, tuple)) and len(prompt) >= self.n_ctx:  # before checking each id
+                raise ContextFullError(f"the prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; "
+                                       "shorten the prompt or load with a larger n_ctx (-c)")
             ids = token_ids(prompt, self.n_vocab, "a prompt of token ids")
         if not ids:
             raise InvalidArgumentError("the prompt is empty")

@@ -325,9 +325,15 @@ class CPUBackend(NumpyBackend):
         self._fused.clear()
 
     def _matrix(self, w: QMatrix):
-        """w bound to its kernels once (checks and kernel lookup paid at the first product)."""
+        """w bound to its kernels once (checks and kernel lookup paid at the first product): its
+        bytes must be exactly n_rows rows of n_cols weights; each product then checks the widths
+        of x and out against the bound matrix (kernels/cpu Matrix), decode_block against the
+        block's activations (validate.check_fused_block)."""
         entry = self._bound.get(id(w))
         if entry is None:
+            from edgellm.validate import check_matrix_bytes
+
+            check_matrix_bytes(w)
             entry = self._bound[id(w)] = (w, self.kernels.bind(w.ggml_type, w.data, w.n_cols))
         return entry[1]
 
@@ -450,13 +456,22 @@ class CPUBackend(NumpyBackend):
             return False
         n = x.shape[0]
         kc, vc = kv.kernel_arrays()
+        checked = plan[3]  # id(scratch) -> (scratch, cache shapes, x shape) the block was checked against
+        seen = checked.get(id(s))
+        if seen is None or seen[0] is not s or seen[1] != kc.shape or seen[2] != vc.shape or seen[3] != x.shape:
+            from edgellm.validate import check_fused_block
+
+            check_fused_block(L, x, s, kc, vc)
+            if len(checked) >= 8:  # scratch sets the decoder has let go of
+                checked.clear()
+            checked[id(s)] = (s, kc.shape, vc.shape, x.shape)
         cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
         slots = kv.slots(pos)
         if isinstance(kv, KVLayer):
             kv.n_used = max(kv.n_used, int(slots.max()) + 1)
         kmap, kbeg, kend, _, _ = attention_layout(kv, n)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
-        weights, norms, tids = plan
+        weights, norms, tids, _ = plan
         self.fused_ops.decode_block(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
             s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
@@ -478,7 +493,7 @@ class CPUBackend(NumpyBackend):
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64)
+        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64), {}
 
     def _fused_activations(self, n: int):
         """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""

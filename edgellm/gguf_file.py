@@ -77,6 +77,19 @@ _NP_DTYPES = {
 }
 
 
+class FileBytes:
+    """A mapped file's bytes (uint8 array over the map; None once the file is closed), shared by a
+    GGUFFile and its tensors. The tensors refer to this, not to the GGUFFile: the file holds its
+    tensors, and tensors holding the file would make a reference cycle that keeps the map (the
+    whole model) until the cycle collector runs; as it is, dropping a model unmaps at once, and
+    a tensor taken from a file no longer referenced still reads its bytes."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray | None):
+        self.array = array
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -84,7 +97,7 @@ class TensorInfo:
     ne: tuple[int, ...]  # GGUF order: ne[0] = elements per row
     offset: int  # absolute byte offset in the file
     nbytes: int
-    _file: "GGUFFile"
+    _bytes: "FileBytes"  # the file's bytes, shared with its GGUFFile (which is not referenced)
 
     @property
     def n_cols(self) -> int:
@@ -106,7 +119,10 @@ class TensorInfo:
     @property
     def data(self) -> np.ndarray:
         """uint8 (n_rows, row_bytes) view of the mapped file; never a copy."""
-        flat = self._file._map[self.offset : self.offset + self.nbytes]
+        whole = self._bytes.array
+        if whole is None:
+            raise GGUFError(f"tensor '{printable(self.name)}': its GGUF file was closed; open the file again")
+        flat = whole[self.offset : self.offset + self.nbytes]
         return flat.reshape(self.n_rows, self.nbytes // self.n_rows)
 
     def as_float32(self) -> np.ndarray:
@@ -148,6 +164,12 @@ class StringArray(Sequence):
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
+
+    def max_bytes(self) -> int:
+        """UTF-8 bytes of the longest string (0 when there is none)."""
+        if len(self._offsets) < 2:
+            return 0
+        return int(np.diff(np.frombuffer(self._offsets, dtype=np.int64)).max())
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -365,6 +387,7 @@ class GGUFFile:
         self.alignment = alignment
         self.data_offset = (cur.pos + alignment - 1) // alignment * alignment
         self._map = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._bytes = FileBytes(self._map)
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, type_id, offset in raw_tensors:
             self.tensors[name] = self._tensor_info(name, ne, type_id, offset)
@@ -403,7 +426,7 @@ class GGUFFile:
                 f"{self.path}: tensor '{shown}' ({qtype.name}, {list(ne)}, {nbytes} bytes at byte {start}) "
                 f"reaches past the end of the {self.file_size}-byte file: the file is truncated; re-download it"
             )
-        return TensorInfo(name, qtype, ne, start, nbytes, self)
+        return TensorInfo(name, qtype, ne, start, nbytes, self._bytes)
 
     # ---------------------------------------------------------------------------------------
     @cached_property
@@ -431,6 +454,8 @@ class GGUFFile:
 
     def close(self) -> None:
         self._map = None
+        if hasattr(self, "_bytes"):
+            self._bytes.array = None
         try:
             self._mmap.close()
         except BufferError:  # views still alive; the mapping goes when they do

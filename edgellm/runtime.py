@@ -253,6 +253,9 @@ class Runtime:
                 bad = int(ids[(ids < 0) | (ids >= self.cfg.n_vocab)][0])
                 raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
             return ids
+        if isinstance(tokens, (list, tuple)) and len(tokens) > self.n_ctx:  # refused before checking each id
+            raise ContextFullError(f"context full: {len(tokens)} new tokens > n_ctx {self.n_ctx}; "
+                                   "pass fewer or load with a larger n_ctx")
         from edgellm.api import token_ids
 
         return np.asarray(token_ids(tokens, self.cfg.n_vocab), dtype=np.int64)

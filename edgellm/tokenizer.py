@@ -19,7 +19,9 @@ and `StreamDecoder` turns a stream of ids into text that never ends inside a UTF
 from __future__ import annotations
 
 import codecs
+import functools
 import heapq
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 import regex
 
-from edgellm.errors import TokenizerError
+from edgellm.errors import ContextFullError, TokenizerError
 from edgellm.gguf_file import StringArray
 
 # ---------------------------------------------------------------------------------------------
@@ -74,6 +76,9 @@ _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _ROLE_TEXTS = frozenset((*_EOT_TEXTS, *_EOM_TEXTS, *_EOG_TEXTS, *_ALWAYS_USER_DEFINED,
                          *(t for texts in _FIM_TEXTS.values() for t in texts)))
+
+_NO_LIMIT = sys.maxsize  # tokenize(limit=None)
+SPM_PIECE = 2048  # characters merged at a time when SPM tokenizes a long text towards a limit
 
 SPACE_ESCAPE = "\u2581"   # "▁": how SentencePiece vocabularies spell a space
 
@@ -251,6 +256,7 @@ class Tokenizer:
         # up as left + " " + right, cut at the first space past the first character, which is
         # where llama.cpp cuts it (a merge with no such space can never apply)
         self._bpe_ranks = StringIndex(merges) if merges is not None else {}
+        self._merges = merges if merges is not None else ()
         self._pre = pre
         self._clean_spaces = pre.clean_spaces if pre else False
         self._word_cache: dict[str, list[int]] = {}
@@ -330,9 +336,19 @@ class Tokenizer:
                    add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
 
     # --- tokenize ------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Token ids of `text`, as llama.cpp's llama_tokenize(text, add_special, parse_special)."""
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                 limit: int | None = None) -> list[int]:
+        """Token ids of `text`, as llama.cpp's llama_tokenize(text, add_special, parse_special).
+
+        limit: raise ContextFullError as soon as the text is certain to give more than `limit`
+        ids, so that a huge text costs little (see _surely_longer: most are not tokenized at
+        all); the others stop at the first 1024 words (BPE) or piece of ~SPM_PIECE characters
+        (SPM, cut where no token can span the cut) past the limit. The ids of a text within the
+        limit are the same as without one."""
         text = _valid_unicode(text)
+        stop = _NO_LIMIT if limit is None else limit
+        if len(text) > stop and self._surely_longer(text, stop):
+            raise ContextFullError(f"the text is more than {limit} tokens ({len(text)} characters)")
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
@@ -346,24 +362,104 @@ class Tokenizer:
                     continue
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
-                self._spm(frag.replace(" ", SPACE_ESCAPE), out)
+                frag = frag.replace(" ", SPACE_ESCAPE)
+                for piece in (self._spm_pieces(frag) if limit is not None else (frag,)):
+                    self._spm(piece, out)
+                    if len(out) > stop:
+                        raise ContextFullError(f"the text is more than {limit} tokens")
                 prev_special = False
         else:
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                     continue
-                for word in self._pre.split(frag):
-                    ids = self._word_cache.get(word)
-                    if ids is None:
-                        ids = self._bpe_word(word)
-                        if len(self._word_cache) > 65536:
-                            self._word_cache.clear()
-                        self._word_cache[word] = ids
-                    out.extend(ids)
+                words = self._pre.split(frag)
+                for w0 in range(0, len(words), 1024):  # the limit looked at every 1024 words
+                    for word in words[w0:w0 + 1024]:
+                        ids = self._word_cache.get(word)
+                        if ids is None:
+                            ids = self._bpe_word(word)
+                            if len(self._word_cache) > 65536:
+                                self._word_cache.clear()
+                            self._word_cache[word] = ids
+                        out.extend(ids)
+                    if len(out) > stop:
+                        raise ContextFullError(f"the text is more than {limit} tokens")
         if add_special and self.add_eos:
             out.append(self.eos_id)
+        if len(out) > stop:
+            raise ContextFullError(f"the text is more than {limit} tokens")
         return out
+
+    # --- how long a text can be before it must give more ids than a limit --------------------
+    def _surely_longer(self, text: str, limit: int) -> bool:
+        """True when `text` is certain to give more than `limit` ids, found without tokenizing
+        it: no id stands for more characters than the longest token has (a special token its
+        text; BPE one byte, so at least one character, per alphabet character; SPM one character
+        per character, "▁" for a space), so a text of more than limit x that many characters needs
+        more than `limit` ids -- provided every character ends up in some id (see _may_drop)."""
+        return len(text) > limit * self.max_token_chars and not self._may_drop(text)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        return max(1, max(map(len, self._tokens)))
+
+    def _may_drop(self, text: str) -> bool:
+        """Whether some character of `text` may end up in no id. SPM: never (a merge makes a token;
+        the rest falls back to byte tokens, or raises). Byte-level BPE drops a piece that is no
+        token: with every merge's result a token, the only such pieces are the bytes whose
+        alphabet character is not a token (SmolLM2 lacks 21: control bytes, bytes no UTF-8 text
+        holds) -- so it may drop when the text's UTF-8 holds one of those."""
+        if self.kind == "spm":
+            return False
+        missing = self._missing_bytes
+        if missing is None:
+            return True
+        data = text.encode("utf-8")
+        return any(bytes((b,)) in data for b in missing)
+
+    @functools.cached_property
+    def _missing_bytes(self) -> bytes | None:
+        """The bytes whose GPT-2 alphabet character is not a token; None when some merge's result
+        is not a token either (a crafted vocabulary: then any text may lose characters)."""
+        to_id = self._token_to_id
+        for merge in self._merges:
+            cut = merge.find(" ", 1)  # where llama.cpp cuts a merge (see _bpe_ranks)
+            if cut > 0 and merge[:cut] + merge[cut + 1:] not in to_id:
+                return None
+        return bytes(b for b, c in enumerate(_BYTE_TO_CHAR) if c not in to_id)
+
+    def _spm_pieces(self, text: str):
+        """`text` ("▁" for spaces) in pieces of about SPM_PIECE characters or more, each cut
+        before a "▁" that no token joins to the character before it. No merge can then make a
+        symbol across a cut (it would be a token holding that pair), so each piece merges as it
+        does within the whole text, and the pieces' ids end to end are the whole text's ids."""
+        if len(text) <= 2 * SPM_PIECE:
+            yield text
+            return
+        joined = self._joined_before_space
+        start, pos = 0, SPM_PIECE
+        while True:
+            p = text.find(SPACE_ESCAPE, pos)
+            if p < 0 or len(text) - p < SPM_PIECE:
+                break
+            if text[p - 1] in joined:
+                pos = p + 1
+                continue
+            yield text[start:p]
+            start, pos = p, p + SPM_PIECE
+        yield text[start:]
+
+    @functools.cached_property
+    def _joined_before_space(self) -> frozenset[str]:
+        """The characters some token holds right before a "▁" (Gemma-3: only '>')."""
+        joined = set()
+        for t in self._tokens:
+            i = t.find(SPACE_ESCAPE, 1)
+            while i > 0:
+                joined.add(t[i - 1])
+                i = t.find(SPACE_ESCAPE, i + 1)
+        return frozenset(joined)
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split `text` at special-token texts, longest token first, as llama.cpp does."""

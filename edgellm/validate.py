@@ -233,3 +233,54 @@ def check_tokenizer(md: Mapping[str, Any], where: Any = "") -> int:
         if role in GENERATION_IDS and n and not 0 <= v < n:
             raise fail(key, f"is {v}, past the vocabulary of {n} tokens")
     return n
+
+
+# --- the CPU backend's second line of defence (against our own bugs as much as files) ------
+def check_matrix_bytes(w) -> None:
+    """A QMatrix (backend_cpu) must hold exactly n_rows rows of n_cols weights of its type: the
+    kernels take the row count and row length from the array, so other bytes would be read as
+    another shape."""
+    from edgellm.quants import quant_type
+
+    qtype = quant_type(w.ggml_type)
+    shape = getattr(w.data, "shape", None)
+    if w.n_cols <= 0 or w.n_cols % qtype.block_size or shape != (w.n_rows, qtype.row_bytes(w.n_cols)):
+        raise ModelShapeError(
+            f"tensor '{printable(w.name)}': {w.n_rows} rows of {w.n_cols} {qtype.name} weights (rows a "
+            f"multiple of {qtype.block_size}) take {w.n_rows} x {qtype.row_bytes(max(w.n_cols, 0))} bytes; "
+            f"its data is {shape}")
+
+
+def check_fused_block(L, x, s, kc, vc) -> None:
+    """The fused one-token block (kernels/cpu/fused.py) reads each weight's rows at the width of
+    the activation it multiplies and writes as many values as the weight has rows: every weight,
+    norm and bias of block L must fit the hidden states x (n, n_embd), the scratch s (q, k, v, a,
+    gate, ... of at least n rows) and the caches kc / vc (slots, n_kv, head_dim), or the kernel
+    would read and write past its buffers. CPUBackend calls this when a block meets a new scratch,
+    cache or batch shape, not per token."""
+    n_embd, n_q, n_k, n_v, n_att, n_ff = (x.shape[1], s.q.shape[1], s.k.shape[1], s.v.shape[1],
+                                          s.a.shape[1], s.gate.shape[1])
+    n_kv, hd_k, hd_v = kc.shape[1], kc.shape[2], vc.shape[2]
+    problems = []
+    for name, rows, cols in (("attn_q", n_q, n_embd), ("attn_k", n_k, n_embd), ("attn_v", n_v, n_embd),
+                             ("attn_output", n_embd, n_att), ("ffn_gate", n_ff, n_embd),
+                             ("ffn_up", n_ff, n_embd), ("ffn_down", n_embd, n_ff)):
+        w = getattr(L, name)
+        if (w.n_rows, w.n_cols) != (rows, cols):
+            problems.append(f"{printable(w.name or name)} is {w.n_rows} x {w.n_cols}, the block needs {rows} x {cols}")
+    for name, size, optional in (("attn_norm", n_embd, False), ("ffn_norm", n_embd, False),
+                                 ("post_attention_norm", n_embd, True), ("post_ffw_norm", n_embd, True),
+                                 ("attn_q_norm", hd_k, True), ("attn_k_norm", hd_k, True),
+                                 ("attn_q_bias", n_q, True), ("attn_k_bias", n_k, True), ("attn_v_bias", n_v, True)):
+        a = getattr(L, name)
+        if (a is None and not optional) or (a is not None and a.shape != (size,)):
+            problems.append(f"{name} is {None if a is None else a.shape}, the block needs ({size},)")
+    n_head = n_q // hd_k if hd_k else 0
+    if (vc.shape[1] != n_kv or n_kv * hd_k != n_k or n_kv * hd_v != n_v or n_head * hd_k != n_q
+            or not n_kv or n_head % n_kv or n_head * hd_v != n_att or s.h.shape[1] != n_embd
+            or s.o.shape[1] != n_embd or s.up.shape[1] != n_ff
+            or min(getattr(s, k).shape[0] for k in ("h", "q", "k", "v", "a", "o", "gate", "up")) < x.shape[0]):
+        problems.append(f"the KV cache ({n_kv} heads of {hd_k} / {hd_v}) and the activations (q {n_q}, "
+                        f"k {n_k}, v {n_v}, attention {n_att}, n_embd {n_embd}, n_ff {n_ff}) disagree")
+    if problems:
+        raise ModelShapeError("a transformer block's shapes disagree: " + "; ".join(problems))

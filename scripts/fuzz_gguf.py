@@ -182,8 +182,8 @@ def worker(mem_gib: float) -> None:
             tb = traceback.extract_tb(exc.__traceback__)[-1]
             answer = {"outcome": "traceback", "detail": f"{type(exc).__name__}: {str(exc)[:150]} "
                                                         f"({os.path.basename(tb.filename)}:{tb.lineno})"}
-        # A GGUFFile and its tensors refer to each other: without this, each case's map of the
-        # file would stay until the cycle collector runs, and the memory cap would be reached
+        # Each case's map of the file goes now, not whenever the collector runs (a traceback's
+        # frames may still hold the file): the memory cap would otherwise be reached
         if m is not None:
             m.gf.close()
         if gf is not None:

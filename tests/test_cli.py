@@ -99,3 +99,35 @@ def test_kv_type_and_parallel_flags(smollm2_path):
     r = subprocess.run([sys.executable, "-m", "edgellm.cli", "plan", str(smollm2_path), "-ctk", "q8_0", "-ctv", "f16"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "same type" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.real
+def test_ctrl_c_during_an_answer_prints_interrupted_on_a_line_of_its_own(smollm2_path):
+    """stdout and stderr on one stream, as on a terminal: SIGINT in the middle of the answer ends
+    the answer's line before "edgellm: interrupted" (not "...a partial answeredgellm: interrupted")."""
+    import os
+    import select
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "run", str(smollm2_path), "--raw", "--temp", "0",
+                          "-p", "The history of the city of Rome begins", "-n", "2000", "-c", "2048", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = b""
+    deadline = time.monotonic() + 300
+    try:
+        while len(out) < 60 and time.monotonic() < deadline:  # well into the answer
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                block = os.read(p.stdout.fileno(), 4096)
+                if not block:
+                    break
+                out += block
+        assert len(out) >= 60, out
+        p.send_signal(signal.SIGINT)
+        rest, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = (out + rest).decode("utf-8", "replace")
+    assert p.returncode == 130, text
+    assert text.endswith("\nedgellm: interrupted\n"), text[-200:]
+    assert "Traceback" not in text

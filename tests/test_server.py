@@ -346,6 +346,19 @@ def test_seed_minus_one_is_random_as_in_llama_server(srv):
     srv.idle()
 
 
+def test_a_15_mb_prompt_is_refused_without_tokenizing_it(srv):
+    """A prompt just under the body limit is refused at once, as the API refuses it (the tokenizer
+    stops as soon as it cannot fit), for a completion and a chat."""
+    text = "All work and no play makes Jack a dull boy. " * (15 * 2**20 // 44)
+    for path, body in (("/v1/completions", {"prompt": text}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
+        t0 = time.process_time()  # every thread of this process, the server's included
+        r = srv.http.post(path, json={**body, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        assert time.process_time() - t0 < 5.0
+    srv.idle()
+
+
 # --- the other endpoints -------------------------------------------------------------------------
 def test_models_health_tokenize(srv):
     assert [m.id for m in srv.client.models.list().data] == [srv.name]

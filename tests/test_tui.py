@@ -245,6 +245,33 @@ def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model():
     run(scenario())
 
 
+def test_hostile_model_name_is_shown_literally_and_escaped():
+    """general.name comes from the file: markup must stay text, control/bidi characters escaped."""
+    from textual.widgets._header import HeaderTitle
+
+    from edgellm.errors import printable
+
+    hostile = "[bold red]Evil[/] [link=https://x.example]click[/link]\x1b]0;pwned\x07\x1b[2J\nline2\u202egnp.exe"
+    fake = FakeModel(delay_s=0.01)
+    fake.metadata["general.name"] = hostile
+    shown = printable(hostile)
+    assert "[bold red]Evil[/]" in shown and "\\x1b]0;pwned\\x07" in shown and "\\u202e" in shown
+
+    async def scenario():
+        app = ChatApp(fake)
+        async with app.run_test(size=(120, 24)) as pilot:
+            screen = app.screen
+            await pilot.pause()
+            assert label(screen, "model-name") == shown
+            assert screen.sub_title == shown
+            title = str(screen.query_one(HeaderTitle).content)
+            assert title.endswith(shown) and "\x1b" not in title and "\n" not in title
+            await ask_and_wait(pilot, "hi")  # the chat goes on with the name as is
+            assert label(screen, "model-name") == shown
+
+    run(scenario())
+
+
 def test_markdown_flush_slows_down_as_the_answer_grows():
     from edgellm.tui.widgets.chat import FLUSH_BASE_S, FLUSH_BLOCKS_PER_STEP, FLUSH_MAX_S, flush_interval
 

@@ -57,15 +57,24 @@ def run(args) -> int:
         print_plan(model, sys.stderr)
     prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)
     if args.verbose:
-        n = len(model.tokenize(prompt, add_special=True, parse_special=True))
+        n = len(model._prompt_ids(prompt))  # a prompt too long for the context: that error now
         print(f"edgellm: prompt: {form} ({n} tokens)", file=sys.stderr)
     max_tokens = args.n_predict if args.n_predict >= 0 else model.n_ctx
     out = sys.stdout
-    for chunk in model.generate(prompt, max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k,
-                                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos):
-        out.write(chunk.text)
-        out.flush()
+    line_open = False  # the answer so far ends mid-line
+    try:
+        for chunk in model.generate(prompt, max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k,
+                                    top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                                    seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos):
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+                line_open = not chunk.text.endswith("\n")
+    except KeyboardInterrupt:  # end the partial answer's line: "interrupted" goes on a line of its own
+        if line_open:
+            out.write("\n")
+            out.flush()
+        raise
     out.write("\n")
     out.flush()
     print(summary(model.stats), file=sys.stderr)

@@ -30,7 +30,7 @@ from edgellm.tui.screens.settings import SettingsScreen
 from edgellm.tui.session import ChatSession, ChatSettings
 from edgellm.tui.store import ChatStore, ChatStoreError, title_of
 from edgellm.tui.widgets.chat import AssistantMessage, ChatLog, Notice, UserMessage
-from edgellm.tui.widgets.stats_panel import StatsPanel
+from edgellm.tui.widgets.stats_panel import StatsPanel, model_title
 
 PANEL_REFRESH_S = 0.25      # 4 panel refreshes a second (RSS, bars, figures)
 
@@ -48,7 +48,7 @@ class ChatScreen(Screen):
         super().__init__()
         # The screen's own sub-title: changing the app's would also poke the Header of the loading
         # screen being removed, whose title widget may already be gone.
-        self.sub_title = str(model.metadata.get("general.name") or model.metadata.get("general.architecture", ""))
+        self.sub_title = model_title(model)  # escaped; the Header shows it without markup parsing
         self.model = model
         self.settings = settings
         self.session = ChatSession()

@@ -9,6 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from edgellm.errors import printable
 from edgellm.tui.widgets.layer_map import LayerMap
 from edgellm.tui.widgets.memory_bar import MemoryBar, format_bytes
 
@@ -16,6 +17,14 @@ TIMING_HISTORY = 64     # tokens of ms/token history per device in the sparkline
 NO_VALUE = "–"
 BLANK_FIGURES = {"ttft": f"TTFT {NO_VALUE}", "tpot": f"TPOT {NO_VALUE}", "tps": f"{NO_VALUE} tok/s",
                  "pp": f"pp {NO_VALUE} t/s"}
+
+
+def model_title(model) -> str:
+    """The model's name from its file (`general.name`, else the architecture) as one printable line:
+    a name may hold anything (escape sequences, newlines, bidi overrides), so it is escaped as error
+    messages are (edgellm.errors.printable) and shown without markup parsing."""
+    md = model.metadata
+    return printable(md.get("general.name") or md.get("general.architecture") or "model")
 
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:
@@ -91,8 +100,7 @@ class StatsPanel(VerticalScroll):
         yield Static(f"ctx {NO_VALUE}", id="ctx")
 
     def set_model(self, model) -> None:
-        name = model.metadata.get("general.name") or model.metadata.get("general.architecture", "model")
-        set_text(self.query_one("#model-name", Static), str(name))
+        set_text(self.query_one("#model-name", Static), model_title(model))
         self.n_ctx = model.n_ctx
         layer_map = self.query_one(LayerMap)
         layer_map.layers = tuple(model.plan.layers)
