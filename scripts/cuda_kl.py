@@ -6,12 +6,16 @@ Runs on a GPU, or without one under EDGELLM_CUDA_EMULATE=1 (the CUDA kernels on 
     EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --models gemma3 --gpu-layers all \\
         --cpu-ops attention,gelu_mul           # those GPU ops replaced by the CPU backend's twins
     EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --float-activations    # GPU products in float32
+    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --greedy 16            # + greedy continuations of 5 prompts
+    python scripts/cuda_kl.py --gpu-layers 0 --batch 5        # the CPU against itself, prompt in batches of 5
 
 --cpu-ops finds where a remaining difference comes from: each named CudaBackend op is computed by
 NumpyBackend (the CPU backend's NumPy twin: ggml's roundings, e.g. attention probabilities rounded to
 the cache type, GELU from ggml's f16 table) on host copies of its operands, so the KL that is left
 is what the other ops contribute. --float-activations gives the GPU products float32 activations
-(CudaBackend(q8_activations=False)) instead of the CPU's 8-bit blocks.
+(CudaBackend(q8_activations=False)) instead of the CPU's 8-bit blocks. --batch N evaluates the
+compared run's prompt N tokens at a time (the CPU-only run's spread between batch sizes is the scale
+a hybrid run's differences are measured on: kernels of another float order give another result).
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "in more than two hundred European cities had produced millions of books, and the price of a "
           "book fell so far that")
 MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}  # edgellm.fetch names
+GREEDY_PROMPTS = ("The capital of France is", "Once upon a time, a little fox", "def fibonacci(n):",
+                  "Water boils at a temperature of", "The three primary colors are")
 HOST_OPS = ("attention", "rms_norm", "gelu_mul", "silu_mul", "rope")
 
 
@@ -41,6 +47,10 @@ def compare(cpu: np.ndarray, gpu: np.ndarray) -> dict:
     kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
     return dict(top1=float(np.mean(cpu.argmax(-1) == gpu.argmax(-1))), kl=float(kl.mean()), kl_max=float(kl.max()),
                 dlogit=float(np.abs(cpu - gpu).max()))
+
+
+def greedy(m, prompt: str, n: int) -> list[int]:
+    return [c.token for c in m.generate(m.tokenize(prompt), max_tokens=n, temperature=0, ignore_eos=True)]
 
 
 def use_host_ops(names: list[str]) -> None:
@@ -92,6 +102,8 @@ def main() -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--cpu-ops", default="", help=f"comma list of {', '.join(HOST_OPS)}")
     ap.add_argument("--float-activations", action="store_true")
+    ap.add_argument("--batch", type=int, default=256, help="prompt batch size of the compared run")
+    ap.add_argument("--greedy", type=int, default=0, help="also compare greedy continuations of this many tokens")
     args = ap.parse_args()
 
     import edgellm
@@ -109,15 +121,19 @@ def main() -> int:
         ids = cpu.tokenize(args.prompt)
         want = cpu.logits(ids)
         n_layer = cpu.config.n_layer
+        cpu_greedy = [greedy(cpu, p, args.greedy) for p in GREEDY_PROMPTS] if args.greedy else []
         for spec in args.gpu_layers.split(","):
             n = n_layer if spec == "all" else n_layer // 2 if spec == "half" else int(spec)
             t0 = time.process_time()
-            m = edgellm.load(path, gpu_layers=n, n_ctx=256, n_batch=256)
+            m = edgellm.load(path, gpu_layers=n, n_ctx=256, n_batch=args.batch)
             got = m.logits(ids)
             r = compare(want, got)
-            print(f"{name} gpu_layers={n:2d}/{n_layer} ({len(ids)} positions): top-1 {r['top1']:.4f}  mean KL "
-                  f"{r['kl']:.2e}  max KL {r['kl_max']:.2e}  max |dlogit| {r['dlogit']:.3g}  "
-                  f"[{time.process_time() - t0:.0f} s CPU]", flush=True)
+            line = (f"{name} gpu_layers={n:2d}/{n_layer} ({len(ids)} positions): top-1 {r['top1']:.4f}  mean KL "
+                    f"{r['kl']:.2e}  max KL {r['kl_max']:.2e}  max |dlogit| {r['dlogit']:.3g}")
+            if args.greedy:
+                same = sum(greedy(m, p, args.greedy) == want for p, want in zip(GREEDY_PROMPTS, cpu_greedy))
+                line += f"  greedy {args.greedy} tokens identical on {same}/{len(GREEDY_PROMPTS)} prompts"
+            print(f"{line}  [{time.process_time() - t0:.0f} s CPU]", flush=True)
     return 0
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as GGMLType
 
 import test_cuda_reference as ref
 from edgellm.backend_cpu import CPUBackend, QMatrix
@@ -112,6 +113,30 @@ def test_activation_quantizers_match_numpy_twins(gpu, fmt):
             np.testing.assert_array_equal(xr.get(), ref.requantized_ref(fmt, x))
         else:
             assert xr is None
+
+
+def test_q8_products_without_dp4a(gpu, monkeypatch):
+    """Built for a device before sm_61 (no __dp4a: dot4's byte loop), the 8-bit products give the same
+    bits as with __dp4a."""
+    from edgellm.kernels.cuda.backend import CudaBackend
+
+    cp, rng = gpu.cp, np.random.default_rng(6)
+    cases = []
+    for ggml_type in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q3_K, GGMLType.Q6_K):
+        qt = QUANT_TYPES[ggml_type]
+        raw = ref.random_blocks(ggml_type, 9 * 512 // qt.block_size, rng).reshape(9, -1)
+        w = QMatrix(int(ggml_type), cp.asarray(raw), 9, 512, qt.name)
+        x = cp.asarray(ref.hard_activations(2, 512, rng))
+        out = cp.empty((2, 9), dtype=cp.float32)
+        gpu.linear(w, x, out)  # builds gpu's modules, for sm_90
+        cases.append((w, x, out.get()))
+    monkeypatch.setenv("CUDAEMU_CXXFLAGS", "-DEMU_CUDA_ARCH=600")
+    old = CudaBackend()  # its modules are built on first use, with the flag
+    for w, x, want in cases:
+        out = cp.empty((2, 9), dtype=cp.float32)
+        old.linear(w, x, out)
+        np.testing.assert_array_equal(out.get(), want)
+    assert old._modules["quant_legacy"]._module.path != gpu._modules["quant_legacy"]._module.path
 
 
 # ============================================================================ norms, rope, attention

@@ -319,8 +319,9 @@ def hard_activations(n_tok: int, n: int, rng: np.random.Generator) -> np.ndarray
     exactly k + 0.5 (round half to even), and ordinary normal values."""
     x = (rng.standard_normal((n_tok, n)) * 2).astype(np.float32)
     x[0, :256] = 0.0  # a zero block in both formats
-    if n_tok > 1:  # a tie of magnitudes: the one at the lower index counts
-        x[1, 256 + 7], x[1, 256 + 3] = -50.0, 50.0
+    if n_tok > 1:  # ties of magnitude: the value at the lower index counts (8 apart: other GPU lanes)
+        x[1, 256 + 200], x[1, 256 + 3] = -50.0, 50.0
+        x[1, 13], x[1, 10] = 50.0, -50.0
     if n_tok > 2:  # amax 127 / 64: 127 / amax = 64 exactly, so x * 64 = k + 0.5 exactly
         x[2, 256:288] = (np.arange(32) - 16 + 0.5).astype(np.float32) / np.float32(64)
         x[2, 256] = np.float32(127 / 64)
@@ -343,7 +344,8 @@ def test_q8_activation_refs_equal_the_cpu_backends_bits():
     for fmt in ("q8_32", "q8_k"):
         np.testing.assert_array_equal(requantized_ref(fmt, x), kcpu.requantize(fmt, x))
     xq, xd, _ = quantize_q8_k_ref(x[1])
-    assert xd[1] < 0 and xq[256 + 3] == -127 and xq[256 + 7] == 127  # the +50 at the lower index sets the sign
+    assert xd[1] < 0 and xq[256 + 3] == -127 and xq[256 + 200] == 127  # the +50 at the lower index sets the sign
+    assert xd[0] > 0 and xq[10] == -127 and xq[13] == 127
     xq, _, _, _ = quantize_q8_32_ref(x[2])
     np.testing.assert_array_equal(xq[257:288], np.rint(np.arange(1, 32) - 15.5))  # ties to even
     assert (xq[257:288] % 2 == 0).all()
