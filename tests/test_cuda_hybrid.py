@@ -108,7 +108,7 @@ GREEDY_PROMPTS = ("The capital of France is", "Once upon a time, a little fox", 
 
 def test_greedy_continuations_match_cpu(emulate, smollm2_path):
     """Greedy 16-token continuations of 5 prompts with half the layers (and the head) on the GPU equal
-    the CPU-only run's on at least 4 of 5 (issue 16's line; measured 5 of 5), and the generation's
+    the CPU-only run's on at least 4 of 5 (issue 16's line; measured 4 of 5), and the generation's
     stats time each device."""
     def continuations(gpu_layers):
         m = edgellm.load(smollm2_path, gpu_layers=gpu_layers, n_ctx=64, n_batch=64)
