@@ -3,6 +3,7 @@ kernels/cuda/*.cu(h) and runs tests/test_cuda_emulated.py on the copy (EDGELLM_T
 each in its own process (a planted out-of-bounds access ends the process with SIGSEGV).
 
     python scripts/cuda_mutations.py            # prints CAUGHT / MISSED per bug; exit 1 if any missed
+    python scripts/cuda_mutations.py dp4a q8    # only the bugs whose label contains one of these words
 """
 from __future__ import annotations
 
@@ -46,12 +47,29 @@ MUTATIONS = [
      "p - key_pos >= window", "p - key_pos > window", "attention"),
     ("rope: neox pairs (i, i + n_rot / 2 - 1) instead of (i, i + n_rot / 2) (layout)", "norm_rope.cu",
      "const int b = neox ? i + n_rot / 2 : 2 * i + 1;", "const int b = neox ? i + n_rot / 2 - 1 : 2 * i + 1;", "rope"),
+    ("q8_K activations: a tie of magnitudes goes to the later value (the scale's sign)", "quant_act.cu",
+     "(o_amax == amax && o_at < at)", "(o_amax == amax && o_at > at)", "quantizer"),
+    ("q8_32 activations round half away from zero (roundf for round-half-even)", "quant_act.cu",
+     "const int q = __float2int_rn(v * inv);", "const int q = (int)roundf(v * inv);", "quantizer"),
+    ("Q4_1 q8 product adds m_w * s_x in every chunk, not once per block", "quant_legacy.cu",
+     "return c == 0 ? r + f16_to_f32(load_u16(blk + 2)) * *a.m : r;",
+     "return r + f16_to_f32(load_u16(blk + 2)) * *a.m;", "Q4_1"),
+    ("Q4_K q8 product: the second sub-block's min takes the wrong 16-value sums", "quant_k.cu",
+     "m2 * (a.s[4 * k + 2] + a.s[4 * k + 3])", "m2 * (a.s[4 * k + 1] + a.s[4 * k + 2])", "Q4_K"),
+    ("Q6_K q8 product: the 4th run's high bits from the wrong pair of qh bits", "quant_k.cu",
+     "((lo_b >> 4) & 0x0f0f0f0f) | (((h >> 6) & 0x03030303) << 4)", "((lo_b >> 4) & 0x0f0f0f0f) | (((h >> 4) & 0x03030303) << 4)",
+     "Q6_K"),
+    ("dot4 without __dp4a (devices before sm_61) skips the first byte", "common.cuh",
+     "for (int k = 0; k < 32; k += 8) c += (int)(signed char)(a >> k)",
+     "for (int k = 8; k < 32; k += 8) c += (int)(signed char)(a >> k)", "dp4a"),
 ]
 
 
 def main() -> int:
+    words = sys.argv[1:]
+    chosen = [m for m in MUTATIONS if not words or any(w in m[0] for w in words)]
     missed = 0
-    for label, file, old, new, only in MUTATIONS:
+    for label, file, old, new, only in chosen:
         with tempfile.TemporaryDirectory(prefix="edgellm-mutant-") as tmp:
             for p in SOURCES.glob("*.cu*"):
                 shutil.copy(p, tmp)
@@ -75,7 +93,7 @@ def main() -> int:
                        or ln.startswith("FAILED")]
                 for ln in why[:2]:
                     print(f"        {ln.strip()[:240]}", flush=True)
-    print(f"\n{len(MUTATIONS) - missed} of {len(MUTATIONS)} planted bugs caught")
+    print(f"\n{len(chosen) - missed} of {len(chosen)} planted bugs caught")
     return 1 if missed else 0
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as GGMLType
 
 import test_cuda_reference as ref
 from edgellm.backend_cpu import CPUBackend, QMatrix
@@ -67,23 +68,75 @@ def test_quant_kernels_match_numpy_twins(gpu, ggml_type, monkeypatch):
     gpu.dequantize(w, dense16)
     np.testing.assert_array_equal(dense16.get(), w_ref.astype(np.float16))
 
-    # n_tok 1 and 3: the matvec kernel (decode); 7: dequantize into the reused buffer + matmul (prompt);
-    # 6 with a dequantize buffer of 16 rows: W in slices of rows (67 = 4 x 16 + 3), as a big head is
-    for n_tok in (1, 3, 7, 6):
-        if n_tok == 6:
-            monkeypatch.setattr("edgellm.kernels.cuda.backend.DEQUANT_BUFFER_BYTES", 16 * 4 * n_cols)
-        x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
-        out = cp.empty((n_tok, n_rows), dtype=cp.float32)
-        gpu.linear(w, cp.asarray(x), out)
-        got, want = out.get().astype(np.float64), ref.linear_ref(w_ref, x).astype(np.float64)
-        bound = np.abs(x).astype(np.float64) @ np.abs(w_ref).T.astype(np.float64)  # sum |w x| per output
-        assert np.isfinite(got).all()
-        assert np.max(np.abs(got - want) / bound) <= 1e-5, n_tok
+    # n_tok 1 and 3: a matvec kernel (decode); 7: dequantize into the reused buffer + matmul (prompt);
+    # 6 with a dequantize buffer of 16 rows: W in slices of rows (67 = 4 x 16 + 3), as a big head is.
+    # Quantized types: x in 8-bit blocks first (matvec_q8_*: integer dot products; prompts: d * q), the
+    # twin linear_q8_ref; then the float kernels (q8_activations=False) against the float product.
+    for q8 in ((True, False) if qt.block_size > 1 else (False,)):
+        gpu.q8_activations = q8
+        for n_tok in (1, 3, 7, 6):
+            monkeypatch.setattr("edgellm.kernels.cuda.backend.DEQUANT_BUFFER_BYTES",
+                                16 * 4 * n_cols if n_tok == 6 else 32 << 20)
+            x = ref.hard_activations(n_tok, n_cols, rng) if q8 else rng.standard_normal((n_tok, n_cols)).astype(
+                np.float32)
+            out = cp.empty((n_tok, n_rows), dtype=cp.float32)
+            gpu.linear(w, cp.asarray(x), out)
+            got = out.get().astype(np.float64)
+            if q8:
+                want = ref.linear_q8_ref(ggml_type, raw, n_cols, x)
+                xs = ref.requantized_ref(ref.act_format(ggml_type), x)
+            else:
+                want, xs = ref.linear_ref(w_ref, x).astype(np.float64), x
+            bound = np.abs(xs).astype(np.float64) @ np.abs(w_ref).T.astype(np.float64)  # sum |w x| per output
+            assert np.isfinite(got).all()
+            assert np.max(np.abs(got - want) / bound) <= (2e-6 if q8 else 1e-5), (q8, n_tok)
+    gpu.q8_activations = True
 
     ids = np.array([3, 0, n_rows - 1, 3])
     emb = cp.empty((len(ids), n_cols), dtype=cp.float32)
     gpu.embed(w, ids, emb)
     np.testing.assert_array_equal(emb.get(), w_ref[ids])
+
+
+@pytest.mark.parametrize("fmt", ["q8_32", "q8_k"])
+def test_activation_quantizers_match_numpy_twins(gpu, fmt):
+    """quantize_q8_32_f32 / quantize_q8_k_f32: the CPU backend's 8-bit activations, bit for bit (zero
+    blocks, ties of magnitude, round-half-even ties), with and without the float32 copy d * q."""
+    cp, rng = gpu.cp, np.random.default_rng(5)
+    x = ref.hard_activations(3, 768, rng)
+    for write_xr in (False, True):
+        xq, xd, xs, xm, xr = gpu.quantize_act(fmt, cp.asarray(x), write_xr=write_xr)
+        want = ref.quantize_q8_32_ref(x.reshape(-1)) if fmt == "q8_32" else ref.quantize_q8_k_ref(x.reshape(-1))
+        for got, expected in zip((xq, xd, xs, xm), want):
+            np.testing.assert_array_equal(got.get(), expected)
+        if write_xr:
+            np.testing.assert_array_equal(xr.get(), ref.requantized_ref(fmt, x))
+        else:
+            assert xr is None
+
+
+def test_q8_products_without_dp4a(gpu, monkeypatch):
+    """Built for a device before sm_61 (no __dp4a: dot4's byte loop), the 8-bit products give the same
+    bits as with __dp4a."""
+    from edgellm.kernels.cuda.backend import CudaBackend
+
+    cp, rng = gpu.cp, np.random.default_rng(6)
+    cases = []
+    for ggml_type in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q3_K, GGMLType.Q6_K):
+        qt = QUANT_TYPES[ggml_type]
+        raw = ref.random_blocks(ggml_type, 9 * 512 // qt.block_size, rng).reshape(9, -1)
+        w = QMatrix(int(ggml_type), cp.asarray(raw), 9, 512, qt.name)
+        x = cp.asarray(ref.hard_activations(2, 512, rng))
+        out = cp.empty((2, 9), dtype=cp.float32)
+        gpu.linear(w, x, out)  # builds gpu's modules, for sm_90
+        cases.append((w, x, out.get()))
+    monkeypatch.setenv("CUDAEMU_CXXFLAGS", "-DEMU_CUDA_ARCH=600")
+    old = CudaBackend()  # its modules are built on first use, with the flag
+    for w, x, want in cases:
+        out = cp.empty((2, 9), dtype=cp.float32)
+        old.linear(w, x, out)
+        np.testing.assert_array_equal(out.get(), want)
+    assert old._modules["quant_legacy"]._module.path != gpu._modules["quant_legacy"]._module.path
 
 
 # ============================================================================ norms, rope, attention

@@ -26,6 +26,72 @@ def linear_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
 
 
+# 8-bit activations (quant_act.cu and the matvec_q8_* kernels): the CPU backend's formats, float32 steps
+Q8_1_WEIGHTS = (GGMLType.Q4_1, GGMLType.Q5_1)
+
+
+def act_format(ggml_type) -> str:
+    """The 8-bit activation format of a quantized weight type: "q8_32" (legacy) or "q8_k" (K-quants)."""
+    return "q8_32" if QUANT_TYPES[GGMLType(ggml_type)].block_size == 32 else "q8_k"
+
+
+def quantize_q8_32_ref(x: np.ndarray):
+    """x float32 (n,) -> xq int8 (n,), xd float32 (n/32,) = fp16(amax / 127), xs int32 = sum(q),
+    xm float32 = fp16(d * sum(q)) with the unrounded d; q = round-half-even(x * (127 / amax))."""
+    xb = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    inv = np.zeros_like(amax)
+    np.divide(np.float32(127), amax, out=inv, where=amax > 0)
+    q = np.rint(xb * inv[:, None]).astype(np.int32)
+    s = q.sum(axis=-1, dtype=np.int32)
+    xm = (d * s.astype(np.float32)).astype(np.float16).astype(np.float32)
+    return q.astype(np.int8).reshape(-1), d.astype(np.float16).astype(np.float32), s, xm
+
+
+def quantize_q8_k_ref(x: np.ndarray):
+    """x float32 (n,) -> xq int8 (n,), xd float32 (n/256,), xs int32 (n/16,): v = the first value of
+    largest magnitude of a block, iscale = -127 / v, q = min(127, round-half-even(iscale * x)),
+    xd = 1 / iscale, xs = sums of q per 16 (all 0 for a block of zeros)."""
+    xb = x.reshape(-1, 256).astype(np.float32)
+    vmax = xb[np.arange(len(xb)), np.abs(xb).argmax(axis=-1)]  # argmax: the first of equal maxima
+    iscale = np.zeros_like(vmax)
+    np.divide(np.float32(-127), vmax, out=iscale, where=vmax != 0)
+    d = np.zeros_like(vmax)
+    np.divide(np.float32(1), iscale, out=d, where=iscale != 0)
+    q = np.minimum(np.rint(iscale[:, None] * xb), 127).astype(np.int32)
+    return q.astype(np.int8).reshape(-1), d, q.reshape(-1, 16).sum(axis=-1, dtype=np.int32)
+
+
+def requantized_ref(fmt: str, x: np.ndarray) -> np.ndarray:
+    """x (n_tok, n) through 8 bits and back: d * q in float32 (what a prompt product multiplies)."""
+    if fmt == "q8_32":
+        xq, xd, _, _ = quantize_q8_32_ref(x.reshape(-1))
+        return (np.repeat(xd, 32) * xq.astype(np.float32)).reshape(x.shape)
+    xq, xd, _ = quantize_q8_k_ref(x.reshape(-1))
+    return (np.repeat(xd, 256) * xq.astype(np.float32)).reshape(x.shape)
+
+
+def block_mins_ref(ggml_type, raw: np.ndarray) -> np.ndarray:
+    """float32 (n_rows, n_blocks): the f16 m of every block of a Q4_1 / Q5_1 matrix (bytes 2..3)."""
+    blocks = raw.reshape(raw.shape[0], -1, QUANT_TYPES[GGMLType(ggml_type)].type_size)
+    return np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def linear_q8_ref(ggml_type, raw: np.ndarray, n_cols: int, x: np.ndarray) -> np.ndarray:
+    """out (n_tok, n_rows) = x @ W.T with x in 8-bit blocks, as the CPU backend (llama.cpp's CPU) and the
+    matvec_q8 kernels compute it, in float64: sum over blocks of W . (d_x q_x), where Q4_1 / Q5_1 add
+    m_w * fp16(d_x * sum(q_x)) per block in place of m_w * fp16(d_x) * sum(q_x)."""
+    w = dequantize_ref(ggml_type, raw, n_cols).astype(np.float64)
+    fmt = act_format(ggml_type)
+    out = requantized_ref(fmt, x).astype(np.float64) @ w.T
+    if GGMLType(ggml_type) in Q8_1_WEIGHTS:
+        _, xd, xs, xm = quantize_q8_32_ref(x.reshape(-1))
+        error = (xm.astype(np.float64) - xd.astype(np.float64) * xs).reshape(x.shape[0], -1)
+        out += error @ block_mins_ref(ggml_type, raw).astype(np.float64).T
+    return out
+
+
 def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """Over the last axis: x / sqrt(mean(x^2) + eps) * w."""
     x64 = x.astype(np.float64)
@@ -245,3 +311,67 @@ def test_linear_ref_is_a_matrix_product():
     w = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32)
     x = np.array([[1, -1], [0.5, 2]], dtype=np.float32)
     np.testing.assert_array_equal(linear_ref(w, x), [[-1, -1, -1], [4.5, 9.5, 14.5]])
+
+
+def hard_activations(n_tok: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 (n_tok, n) that exercise the 8-bit quantizers' corners: a block of zeros, a block whose
+    largest magnitude appears as +v and -v (the first one sets q8_k's sign), values x * 127 / amax at
+    exactly k + 0.5 (round half to even), and ordinary normal values."""
+    x = (rng.standard_normal((n_tok, n)) * 2).astype(np.float32)
+    x[0, :256] = 0.0  # a zero block in both formats
+    if n_tok > 1:  # ties of magnitude: the value at the lower index counts (8 apart: other GPU lanes)
+        x[1, 256 + 200], x[1, 256 + 3] = -50.0, 50.0
+        x[1, 13], x[1, 10] = 50.0, -50.0
+    if n_tok > 2:  # amax 127 / 64: 127 / amax = 64 exactly, so x * 64 = k + 0.5 exactly
+        x[2, 256:288] = (np.arange(32) - 16 + 0.5).astype(np.float32) / np.float32(64)
+        x[2, 256] = np.float32(127 / 64)
+    return x
+
+
+def test_q8_activation_refs_equal_the_cpu_backends_bits():
+    """quantize_q8_32_ref / quantize_q8_k_ref are the CPU backend's activation quantizers, bit for bit."""
+    from edgellm.kernels import cpu as kcpu
+
+    rng = np.random.default_rng(11)
+    x = hard_activations(3, 512, rng)
+    for row in x:
+        got = kcpu.quantize("q8_32", row).parts
+        for a, b in zip(quantize_q8_32_ref(row), got):
+            np.testing.assert_array_equal(a, b)
+        got = kcpu.quantize("q8_k", row).parts
+        for a, b in zip(quantize_q8_k_ref(row), got[:3]):
+            np.testing.assert_array_equal(a, b)
+    for fmt in ("q8_32", "q8_k"):
+        np.testing.assert_array_equal(requantized_ref(fmt, x), kcpu.requantize(fmt, x))
+    xq, xd, _ = quantize_q8_k_ref(x[1])
+    assert xd[1] < 0 and xq[256 + 3] == -127 and xq[256 + 200] == 127  # the +50 at the lower index sets the sign
+    assert xd[0] > 0 and xq[10] == -127 and xq[13] == 127
+    xq, _, _, _ = quantize_q8_32_ref(x[2])
+    np.testing.assert_array_equal(xq[257:288], np.rint(np.arange(1, 32) - 15.5))  # ties to even
+    assert (xq[257:288] % 2 == 0).all()
+
+
+def test_linear_q8_ref_matches_the_cpu_backend_for_every_quant_type():
+    """The twin of the matvec_q8 kernels equals the CPU backend's products (llama.cpp's integer order)
+    to float rounding, one token (matvec) and a batch (matmul); and it is not the float product."""
+    from edgellm.kernels import cpu as kcpu
+
+    rng = np.random.default_rng(12)
+    for ggml_type, qt in QUANT_TYPES.items():
+        if qt.block_size == 1:
+            continue
+        n_rows, n_cols = 9, 512
+        raw = random_blocks(ggml_type, n_rows * n_cols // qt.block_size, rng).reshape(n_rows, -1)
+        x = hard_activations(3, n_cols, rng)
+        want = linear_q8_ref(ggml_type, raw, n_cols, x)
+        m = kcpu.bind(ggml_type, raw, n_cols)
+        got = np.empty((3, n_rows), np.float32)
+        m.matmul(x, got)
+        one = np.empty(n_rows, np.float32)
+        m.matvec(x[1], one)
+        bound = np.abs(requantized_ref(act_format(ggml_type), x)).astype(np.float64) @ np.abs(
+            dequantize_ref(ggml_type, raw, n_cols)).T.astype(np.float64)
+        assert np.max(np.abs(got - want) / bound) < 2e-6, qt.name
+        assert np.max(np.abs(one - want[1]) / bound[1]) < 2e-6, qt.name
+        float_product = linear_ref(dequantize_ref(ggml_type, raw, n_cols), x)
+        assert np.max(np.abs(float_product - want) / bound) > 1e-4, qt.name  # 8 bits are visible

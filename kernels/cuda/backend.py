@@ -1,10 +1,14 @@
 """GPU backend: the ops model code calls (see edgellm.backend_cpu.CPUBackend), on CuPy arrays.
 
 Weight matrices are uploaded once as their raw GGUF blocks, uint8 (n_rows, row_bytes), and stay
-quantized in VRAM. `linear` runs a matrix-vector kernel that dequantizes in registers when there are
-few tokens (decode), and for a prompt batch dequantizes the matrix into one reused float32 buffer of
-at most DEQUANT_BUFFER_BYTES (a larger matrix, such as a 262144-row output head, a slice of rows at
-a time) and calls cupy.matmul (cuBLAS). Activations are float32; the KV cache is float16 by default.
+quantized in VRAM. Products with quantized weights first quantize the activations to 8-bit blocks in
+the CPU backend's format for the weight type (quant_act.cu: q8_32 for the legacy types, q8_k for the
+K-quants), so GPU and CPU layers compute the same products up to float32 summation order. `linear`
+runs a matrix-vector kernel with integer dot products (__dp4a) when there are few tokens (decode);
+for a prompt batch it takes the 8-bit activations back to float32 (d * q, as the CPU's prompt path
+does), dequantizes the matrix into one reused float32 buffer of at most DEQUANT_BUFFER_BYTES (a larger
+matrix, such as a 262144-row output head, a slice of rows at a time) and calls cupy.matmul (cuBLAS).
+Activations are float32; the KV cache is float16 by default.
 
 CuPy is imported when a CudaBackend is made, never when this module is imported.
 """
@@ -41,26 +45,31 @@ class QuantKernels:
     module: str
     suffix: str
     chunks: int  # threads per block in the dequantize kernel's launch (Block::chunks)
+    act: str | None = None  # the 8-bit activation format of matvec_q8_<suffix> (None: float types)
 
 
 QUANT_KERNELS: dict[GGMLType, QuantKernels] = {
     GGMLType.F32: QuantKernels("quant_float", "f32", 1),
     GGMLType.F16: QuantKernels("quant_float", "f16", 1),
     GGMLType.BF16: QuantKernels("quant_float", "bf16", 1),
-    GGMLType.Q4_0: QuantKernels("quant_legacy", "q4_0", 4),
-    GGMLType.Q4_1: QuantKernels("quant_legacy", "q4_1", 4),
-    GGMLType.Q5_0: QuantKernels("quant_legacy", "q5_0", 4),
-    GGMLType.Q5_1: QuantKernels("quant_legacy", "q5_1", 4),
-    GGMLType.Q8_0: QuantKernels("quant_legacy", "q8_0", 4),
-    GGMLType.Q2_K: QuantKernels("quant_k", "q2_k", 16),
-    GGMLType.Q3_K: QuantKernels("quant_k", "q3_k", 16),
-    GGMLType.Q4_K: QuantKernels("quant_k", "q4_k", 16),
-    GGMLType.Q5_K: QuantKernels("quant_k", "q5_k", 16),
-    GGMLType.Q6_K: QuantKernels("quant_k", "q6_k", 16),
+    GGMLType.Q4_0: QuantKernels("quant_legacy", "q4_0", 4, "q8_32"),
+    GGMLType.Q4_1: QuantKernels("quant_legacy", "q4_1", 4, "q8_32"),
+    GGMLType.Q5_0: QuantKernels("quant_legacy", "q5_0", 4, "q8_32"),
+    GGMLType.Q5_1: QuantKernels("quant_legacy", "q5_1", 4, "q8_32"),
+    GGMLType.Q8_0: QuantKernels("quant_legacy", "q8_0", 4, "q8_32"),
+    GGMLType.Q2_K: QuantKernels("quant_k", "q2_k", 16, "q8_k"),
+    GGMLType.Q3_K: QuantKernels("quant_k", "q3_k", 16, "q8_k"),
+    GGMLType.Q4_K: QuantKernels("quant_k", "q4_k", 16, "q8_k"),
+    GGMLType.Q5_K: QuantKernels("quant_k", "q5_k", 16, "q8_k"),
+    GGMLType.Q6_K: QuantKernels("quant_k", "q6_k", 16, "q8_k"),
 }
+ACT_BLOCK = {"q8_32": 32, "q8_k": 256}  # values per activation block
+Q8_1_WEIGHTS = (GGMLType.Q4_1, GGMLType.Q5_1)  # products add m_w * fp16(d_x * sum(q_x)) per block
 
 # Every other kernel the backend launches: name -> module.
 OP_KERNELS: dict[str, str] = {
+    "quantize_q8_32_f32": "quant_act",
+    "quantize_q8_k_f32": "quant_act",
     "rms_norm_f32": "norm_rope",
     "rope_f32": "norm_rope",
     "attention_f16kv": "attention",
@@ -79,6 +88,8 @@ def required_kernels() -> dict[str, list[str]]:
     for k in QUANT_KERNELS.values():
         out.setdefault(k.module, []).extend(
             [f"matvec_{k.suffix}", f"dequantize_{k.suffix}_f32", f"dequantize_{k.suffix}_f16"])
+        if k.act:
+            out[k.module].append(f"matvec_q8_{k.suffix}")
     for name, module in OP_KERNELS.items():
         out.setdefault(module, []).append(name)
     return out
@@ -109,12 +120,16 @@ class CudaBackend:
 
     device = "gpu"
 
-    def __init__(self, device_id: int = 0, *, matvec_max_tokens: int = MATVEC_MAX_TOKENS):
+    def __init__(self, device_id: int = 0, *, matvec_max_tokens: int = MATVEC_MAX_TOKENS,
+                 q8_activations: bool = True):
         self.cp = _cuda.require()
         self.xp = self.cp
         self.device_id = device_id
         self.cp.cuda.Device(device_id).use()
         self.matvec_max_tokens = matvec_max_tokens
+        # False: products with quantized weights take float32 activations (the dequantizing matvec
+        # kernels and a plain float matmul): closer to the exact product, further from the CPU's
+        self.q8_activations = q8_activations
         self._functions: dict[str, object] = {}
         self._modules: dict[str, object] = {}
         self._dequant_buffer = None  # float32, flat; the largest matrix dequantized so far
@@ -208,12 +223,45 @@ class CudaBackend:
         self._launch(k.module, f"dequantize_{k.suffix}_{dtype}", (_blocks(n_threads, ELEMENTWISE_THREADS),),
                      (ELEMENTWISE_THREADS,), (w.data, out, np.int32(n_rows), np.int32(w.n_cols), np.int64(row_bytes)))
 
+    def quantize_act(self, fmt: str, x, write_xr: bool = False):
+        """x float32 (n_tok, n) -> (xq int8 (n_tok * n,), xd float32 (blocks,), xs int32, xm float32, xr):
+        x in 8-bit activation blocks of format fmt ("q8_32" or "q8_k", see quant_act.cu); xr (n_tok, n) =
+        d * q as float32 when write_xr, else None. For q8_k, xs holds 16 sums per block and xm is empty."""
+        n = x.size
+        block = ACT_BLOCK[fmt]
+        if n % block:
+            raise InvalidArgumentError(f"{fmt} activations need a multiple of {block} values, got {n}")
+        x = self._contiguous(x)
+        nb = n // block
+        cp = self.cp
+        xq, xd = cp.empty(n, dtype=cp.int8), cp.empty(nb, dtype=cp.float32)
+        xs = cp.empty(nb * (16 if fmt == "q8_k" else 1), dtype=cp.int32)
+        xm = cp.empty(nb if fmt == "q8_32" else 0, dtype=cp.float32)
+        xr = cp.empty(x.shape, dtype=cp.float32) if write_xr else None
+        xr_arg = xr if write_xr else xd  # any device pointer: the kernel does not touch it
+        grid, block_dim = (_blocks(nb, MATVEC_ROWS),), (32, MATVEC_ROWS)
+        if fmt == "q8_32":
+            self._launch("quant_act", "quantize_q8_32_f32", grid, block_dim,
+                         (x, xq, xd, xs, xm, xr_arg, np.int32(write_xr), np.int64(nb)))
+        else:
+            self._launch("quant_act", "quantize_q8_k_f32", grid, block_dim,
+                         (x, xq, xd, xs, xr_arg, np.int32(write_xr), np.int64(nb)))
+        return xq, xd, xs, xm, xr
+
     def matvec(self, w: QMatrix, x, out) -> None:
-        """out (n_tok, n_rows) = x (n_tok, n_cols) @ W.T by the matvec kernel (one warp per row)."""
+        """out (n_tok, n_rows) = x (n_tok, n_cols) @ W.T by a matvec kernel (one warp per row): with x
+        quantized to 8 bits and integer dot products (matvec_q8_*) for quantized weights, else in float."""
         k = QUANT_KERNELS[GGMLType(w.ggml_type)]
         n_tok = x.shape[0]
         n_rows, row_bytes = w.data.shape
-        self._launch(k.module, f"matvec_{k.suffix}", (_blocks(n_rows, MATVEC_ROWS), n_tok), (32, MATVEC_ROWS),
+        grid, block = (_blocks(n_rows, MATVEC_ROWS), n_tok), (32, MATVEC_ROWS)
+        if k.act and self.q8_activations:
+            xq, xd, xs, xm, _ = self.quantize_act(k.act, x)
+            self._launch(k.module, f"matvec_q8_{k.suffix}", grid, block,
+                         (w.data, xq, xd, xs, xm if xm.size else xd, out, np.int32(n_rows), np.int32(w.n_cols),
+                          np.int64(row_bytes)))
+            return
+        self._launch(k.module, f"matvec_{k.suffix}", grid, block,
                      (w.data, x, out, np.int32(n_rows), np.int32(w.n_cols), np.int64(row_bytes)))
 
     def _dense(self, w: QMatrix):
@@ -239,6 +287,27 @@ class CudaBackend:
         if x.shape[0] <= self.matvec_max_tokens:
             self.matvec(w, x, out)
             return
+        k = QUANT_KERNELS[GGMLType(w.ggml_type)]
+        q8 = None
+        if k.act and self.q8_activations:  # the CPU's prompt path: x through 8 bits and back (d * q)
+            q8 = self.quantize_act(k.act, x, write_xr=True)
+            x = q8[4]
+        self._dense_product(w, x, out)
+        if q8 is not None and w.ggml_type in Q8_1_WEIGHTS:
+            # per block the CPU adds m_w * fp16(d_x * sum(q_x)); the float product gave m_w * fp16(d_x) * sum(q_x)
+            _, xd, xs, xm, _ = q8
+            error = (xm - xd * xs.astype(self.cp.float32)).reshape(x.shape[0], -1)  # (n_tok, n_blocks)
+            out += self.cp.matmul(error, self._block_mins(w).T)
+
+    def _block_mins(self, w: QMatrix):
+        """float32 (n_rows, n_blocks): the f16 m (bytes 2..3) of every block of a Q4_1 / Q5_1 matrix."""
+        n_rows, row_bytes = w.data.shape
+        nb = w.n_cols // 32
+        m = self.cp.ascontiguousarray(w.data.reshape(n_rows, nb, row_bytes // nb)[:, :, 2:4])
+        return m.view(self.cp.float16).reshape(n_rows, nb).astype(self.cp.float32)
+
+    def _dense_product(self, w: QMatrix, x, out) -> None:
+        """out (n_tok, n_rows) = x @ W.T with W dequantized to float32 (slices of rows for a big W)."""
         rows = max(MATVEC_ROWS, DEQUANT_BUFFER_BYTES // (4 * w.n_cols))
         if w.ggml_type == GGMLType.F32 or rows >= w.n_rows:
             self.cp.matmul(x, self._dense(w).T, out=out)

@@ -80,12 +80,35 @@ EDGELLM_D u16 f32_to_f16(float f) {
 }
 #endif
 
+#if defined(EDGELLM_CUDA)
+// float32 rounded to the nearest half (ties to even), as float32: an fp16 scale field's value.
+EDGELLM_D float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
+#endif
+
 // bfloat16 is the top half of a float32.
 EDGELLM_HD float bf16_to_f32(u16 b) { return bits_to_float((u32)b << 16); }
 
 // Little-endian 16-bit load. Every f16 field of every block format sits at an even offset and
 // blocks start at multiples of their (even) type size, so 2-byte loads are aligned.
 EDGELLM_HD u16 load_u16(const u8* p) { return *(const u16*)p; }
+
+// Four little-endian bytes as one int from an address that is only 2-byte aligned (block fields sit at
+// even offsets of blocks whose size is even but not always a multiple of 4: Q4_0 is 18 bytes).
+EDGELLM_HD int load_i32_2(const u8* p) { return (int)((u32)load_u16(p) | ((u32)load_u16(p + 2) << 16)); }
+
+// ---- integer dot products -----------------------------------------------------------------------
+#if defined(EDGELLM_CUDA)
+// c + the dot product of the four signed bytes of a with those of b (__dp4a from sm_61 on).
+EDGELLM_D int dot4(int a, int b, int c) {
+#if __CUDA_ARCH__ >= 610
+    return __dp4a(a, b, c);
+#else
+#pragma unroll
+    for (int k = 0; k < 32; k += 8) c += (int)(signed char)(a >> k) * (int)(signed char)(b >> k);
+    return c;
+#endif
+}
+#endif
 
 // ---- warp reductions ----------------------------------------------------------------------------
 #if defined(EDGELLM_CUDA)

@@ -889,6 +889,15 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int k = 0; k < 4; ++k) r |= (unsigned)((v >> (8 * ((s >> (4 * k)) & 7))) & 0xff) << (8 * k);
     return r;
 }
+// __dp4a (sm_61+): c + the dot product of the four signed (or unsigned) bytes of a and b
+inline int __dp4a(int a, int b, int c) {
+    for (int k = 0; k < 32; k += 8) c += (int)(signed char)(a >> k) * (int)(signed char)(b >> k);
+    return c;
+}
+inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
+    for (int k = 0; k < 32; k += 8) c += ((a >> k) & 0xffu) * ((b >> k) & 0xffu);
+    return c;
+}
 inline int __mul24(int a, int b) { return (int)((long long)(a << 8 >> 8) * (b << 8 >> 8)); }
 inline int __mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
@@ -905,6 +914,7 @@ inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); 
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }  // to nearest, ties to even
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline void sincosf_emu(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
