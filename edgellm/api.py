@@ -123,7 +123,7 @@ class _CompileReport:
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True):
-        from edgellm.backend_cpu import CPUBackend
+        from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
         from edgellm.scheduler import Engine

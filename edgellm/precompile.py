@@ -126,7 +126,7 @@ def step_groups(model, cfg) -> list[list[tuple]]:
 
 
 def _open(path: str, threads: int):
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
     from edgellm.config import ModelConfig
     from edgellm.gguf_file import GGUFFile
     from edgellm.models import architecture

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from edgellm.backend_cpu import qkv_attention_by_ops
+from edgellm.kernels.cpu.backend import qkv_attention_by_ops
 
 # Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional.
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")

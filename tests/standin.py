@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgellm.backend_cpu import CPUBackend, QMatrix
+from edgellm.kernels.cpu.backend import CPUBackend, QMatrix
 
 
 class StandInGPU(CPUBackend):

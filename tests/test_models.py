@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgellm
-from edgellm.backend_cpu import CPUBackend
+from edgellm.kernels.cpu.backend import CPUBackend
 from edgellm.backend_reference import ReferenceBackend
 from edgellm.config import ModelConfig
 from edgellm.gguf_file import GGUFFile
