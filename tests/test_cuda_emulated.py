@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import test_cuda_reference as ref
-from edgellm.kernels.cpu.backend import CPUBackend, QMatrix
+from edgellm.backend import QMatrix
+from edgellm.kernels.cpu.backend import CPUBackend
 from edgellm.kernels.cuda.backend import QUANT_KERNELS
 from edgellm.quants import QUANT_TYPES
 

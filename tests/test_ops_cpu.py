@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend, qkv_attention_by_ops, rope_cache
+from edgellm.backend import qkv_attention_by_ops
+from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend, rope_cache
 
 F32 = np.float32
 RNG = np.random.default_rng(2024)

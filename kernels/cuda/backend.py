@@ -1,4 +1,4 @@
-"""GPU backend: the ops model code calls (see edgellm.kernels.cpu.backend.CPUBackend), on CuPy arrays.
+"""GPU backend: the ops model code calls (the interface: edgellm.backend.Backend), on CuPy arrays.
 
 Weight matrices are uploaded once as their raw GGUF blocks, uint8 (n_rows, row_bytes), and stay
 quantized in VRAM. `linear` runs a matrix-vector kernel that dequantizes in registers when there are
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.backend import KVLayer, QMatrix
+from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
 from edgellm.errors import InvalidArgumentError, OutOfMemoryError
 from edgellm.kernels import cuda as _cuda
 from edgellm.quants import quant_type
@@ -104,7 +104,7 @@ class CudaKVLayer(KVLayer):
         self.pos_device.fill(-1)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Backend ops on one CUDA device. Raises GPUUnavailableError when CuPy or the device is missing."""
 
     device = "gpu"
@@ -307,8 +307,6 @@ class CudaBackend:
         per sequence into contiguous arrays for the kernel (a token alone, or a prompt chunk)."""
         if isinstance(kv, CudaKVLayer):
             return self._attend(q, kv.k, kv.v, kv.pos_device, kv.n_used, pos, kv.window, scale, out)
-        from edgellm.kernels.cpu.backend import attention_layout
-
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         for t0, t1 in [(t, t + 1) for t in range(n_single)] + list(chunks):
             keys = kmap[kbeg[t0]:kend[t0]]
