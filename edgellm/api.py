@@ -151,9 +151,7 @@ class Model:
 
                 backends["gpu"] = CudaBackend()
         report = None if quiet else _CompileReport()
-        self.runtime = Runtime(gf, cfg, layer_devices=self.plan.layers, output_device=self.plan.output_device,
-                               backends=backends, n_ctx=n_ctx, n_batch=self.n_batch, kv_type=kv_type,
-                               n_seq=n_seq, kv_size=kv_size, on_compile=report)
+        self.runtime = Runtime(gf, cfg, self.plan, backends, on_compile=report)
         if report is not None:
             report.done()
         self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'

@@ -32,27 +32,34 @@ class StepTiming:
 
 
 class Runtime:
-    def __init__(self, gf, cfg, *, layer_devices, output_device: str, backends: dict, n_ctx: int,
-                 n_batch: int, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, on_compile=None):
+    """The model's layers on their backends and its KV cache, as `plan` (edgellm.planner.Plan) places
+    them: plan.layers (a device per block), plan.output_device, plan.shape (n_ctx, n_batch, n_seq,
+    kv_type, kv_size). backends: device -> Backend, "cpu" always (the embedding runs there)."""
+
+    def __init__(self, gf, cfg, plan, backends: dict, *, on_compile=None):
         from edgellm.kv_cache import KVCache
         from edgellm.models import architecture
 
+        shape = plan.shape
+        n_ctx, n_batch, n_seq = shape.n_ctx, shape.n_batch, shape.n_seq
         if n_ctx < 1 or n_batch < 1:
             raise InvalidArgumentError(f"n_ctx and n_batch must be >= 1 (got {n_ctx}, {n_batch})")
         if int(n_seq) != n_seq or n_seq < 1:
             raise InvalidArgumentError(f"n_seq must be an integer >= 1 (parallel sequences), got {n_seq}")
         self.cfg = cfg
+        self.plan = plan
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_seq = int(n_seq)
         self.backends = backends
-        self.layer_devices = list(layer_devices)
-        self.output_device = output_device
+        self.layer_devices = list(plan.layers)
+        self.output_device = plan.output_device
         cpu = backends["cpu"]
         module = architecture(cfg.arch)
-        self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[output_device], cpu)
+        self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[self.output_device],
+                                  cpu)
         self.cache = KVCache(cfg, [backends[d] for d in self.layer_devices], n_ctx=n_ctx, n_batch=n_batch,
-                             n_seq=self.n_seq, kv_type=kv_type, kv_size=kv_size)
+                             n_seq=self.n_seq, kv_type=shape.kv_type, kv_size=shape.kv_size)
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
         self.seq = None  # the single-context API's sequence (created on first use)
         self.timing = StepTiming()
