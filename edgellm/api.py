@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -134,7 +133,7 @@ class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
                  use_mmap: bool = True):
-        from edgellm.backend_cpu import CPUBackend
+        from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
         from edgellm.scheduler import Engine
@@ -162,9 +161,7 @@ class Model:
 
                 backends["gpu"] = CudaBackend()
         report = None if quiet else _CompileReport()
-        self.runtime = Runtime(gf, cfg, layer_devices=self.plan.layers, output_device=self.plan.output_device,
-                               backends=backends, n_ctx=n_ctx, n_batch=self.n_batch, kv_type=kv_type,
-                               n_seq=n_seq, kv_size=kv_size, on_compile=report)
+        self.runtime = Runtime(gf, cfg, self.plan, backends, on_compile=report)
         if report is not None:
             report.done()
         self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'

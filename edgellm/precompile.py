@@ -26,9 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-_PROMPT_TOKENS = 9  # the warm-up's prompt batch (Runtime.warm_up): more than one group of 4/8 tokens
-
-
 # --- the progress line ------------------------------------------------------------------------
 class CompileProgress:
     """One line on stderr while kernels compile: a bar of the warm-up steps done / total (when a
@@ -86,49 +83,27 @@ class CompileProgress:
 
 
 # --- the warm-up steps and their groups -------------------------------------------------------
-def warm_up_steps(model, cfg, layer_kinds: dict) -> list[tuple]:
-    """The steps of Runtime.warm_up for an all-CPU model: ("block", il, n_tok, last_only) for one
-    layer of each kind, then ("head", n_tok)."""
-    last = cfg.n_layer - 1
-    steps = []
-    for il in layer_kinds.values():
-        for n, last_only in ((_PROMPT_TOKENS, False), (_PROMPT_TOKENS, True), (1, False)):
-            if not last_only or il == last:
-                steps.append(("block", il, n, last_only))
-    if hasattr(model.output, "ggml_type"):
-        steps += [("head", _PROMPT_TOKENS), ("head", 1)]
-    return steps
-
-
-def layer_kinds(model, cfg) -> dict:
-    """(tensor types and rows, sliding window, last layer) -> the first layer of that kind."""
-    last = cfg.n_layer - 1
-    kinds: dict = {}
-    for il in range(cfg.n_layer):
-        w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
-        kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
-    return kinds
-
-
 def step_groups(model, cfg) -> list[list[tuple]]:
-    """The steps split into groups that compile disjoint kernels (as far as the kernels' argument
-    types tell): decode steps by their layer's tensor types, and the prompt steps with the head.
-    Largest first."""
-    kinds = layer_kinds(model, cfg)
+    """The warm-up's steps (edgellm.runtime.warm_up_steps) of an all-CPU model of one sequence,
+    split into groups that compile disjoint kernels (as far as the kernels' argument types tell):
+    decode steps by their layer's tensor types, and the prompt steps with the head. Largest first."""
+    from edgellm.runtime import layer_kinds, warm_up_steps
+
+    devices = ["cpu"] * cfg.n_layer
+    types_of = {il: tuple(t for t, _ in kind[0]) for kind, il in layer_kinds(model, cfg, devices).items()}
     groups: dict = {}
-    for step in warm_up_steps(model, cfg, kinds):
+    for step in warm_up_steps(model, cfg, devices, "cpu", n_seq=1):
         if step[0] == "block" and step[2] == 1:
-            types = tuple(t for t, _ in next(k for k, il in kinds.items() if il == step[1])[0])
-            groups.setdefault(("decode", types), []).append(step)
+            groups.setdefault(("decode", types_of[step[1]]), []).append(step)
         else:
             groups.setdefault(("prompt",), []).append(step)
     return sorted(groups.values(), key=len, reverse=True)
 
 
 def _open(path: str, threads: int):
-    from edgellm.backend_cpu import CPUBackend
     from edgellm.config import ModelConfig
     from edgellm.gguf_file import GGUFFile
+    from edgellm.kernels.cpu.backend import CPUBackend
     from edgellm.models import architecture
 
     gf = GGUFFile(path)
@@ -136,25 +111,6 @@ def _open(path: str, threads: int):
     cpu = CPUBackend(threads)
     model = architecture(cfg.arch).Model(cfg, gf, [cpu] * cfg.n_layer, cpu, cpu)
     return cfg, cpu, model
-
-
-def run_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
-    """One warm-up step on scratch buffers (the same calls as Runtime.warm_up)."""
-    import numpy as np
-
-    if step[0] == "block":
-        _, il, n, last_only = step
-        window = cfg.sliding_window if cfg.swa_layers[il] else 0
-        kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, kv_dtype, window)
-        x = model.embed(np.zeros(n, np.int64))
-        model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, rows=slice(n - 1, n) if last_only else None)
-    else:
-        _, n = step
-        w = model.output
-        rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
-        h = np.zeros((n, cfg.n_embd), np.float32)
-        cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
-        rows.matmul(h, np.empty((n, 8), np.float32))
 
 
 # --- the parent: stamp, workers, progress -----------------------------------------------------
@@ -300,6 +256,7 @@ def _worker(path: str, kv_type: str, share: list) -> int:
     """Run `share`'s steps on one thread, printing "kernel NAME" as each kernel starts compiling and
     "step" after each step."""
     from edgellm.kv_cache import kv_type as _kv_type
+    from edgellm.runtime import run_warm_up_step
 
     cfg, cpu, model = _open(path, 1)
 
@@ -308,7 +265,7 @@ def _worker(path: str, kv_type: str, share: list) -> int:
 
     with cpu.kernels.compile_listener(on_compile):
         for step in share:
-            run_step(tuple(step), cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
+            run_warm_up_step(tuple(step), cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
             print("step", flush=True)
     return 0
 

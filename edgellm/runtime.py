@@ -31,28 +31,86 @@ class StepTiming:
         self.seconds[device] = self.seconds.get(device, 0.0) + dt
 
 
+# --- the warm-up: its steps, run at load (Runtime.warm_up) and by precompile's compile workers ----
+PROMPT_TOKENS = 9  # the warm-up's prompt batch: more than one group of 4/8 tokens
+SEQS_TOKENS = 3  # the warm-up's decode step of several sequences (when there can be several)
+
+
+def layer_kinds(model, cfg, layer_devices) -> dict:
+    """(tensor types and rows, sliding window, last layer) -> the first CPU layer of that kind."""
+    last = len(layer_devices) - 1
+    kinds: dict = {}
+    for il, d in enumerate(layer_devices):
+        if d == "cpu":
+            w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
+            kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
+    return kinds
+
+
+def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int) -> list[tuple]:
+    """The warm-up's steps: ("block", il, n_tok, last_only) for one CPU layer of each kind (a prompt
+    batch; on the last layer the same batch with only its last row going on; one token; with
+    n_seq > 1 a decode step of several sequences), then ("head", n_tok) for the output head's
+    products when they run on the CPU."""
+    last = len(layer_devices) - 1
+    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True), (1, False)] + ([(SEQS_TOKENS, False)] if n_seq > 1 else [])
+    steps = []
+    for il in layer_kinds(model, cfg, layer_devices).values():
+        for n, last_only in batches:
+            if not last_only or il == last:
+                steps.append(("block", il, n, last_only))
+    if output_device == "cpu" and hasattr(model.output, "ggml_type"):
+        steps += [("head", n) for n in (PROMPT_TOKENS, 1) + ((SEQS_TOKENS,) if n_seq > 1 else ())]
+    return steps
+
+
+def run_warm_up_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
+    """One warm-up step on scratch buffers: a block on a 16-slot scratch cache of kv_dtype (reading
+    only that layer's weights), or the head's products on 8 of its rows."""
+    if step[0] == "block":
+        _, il, n, last_only = step
+        window = cfg.sliding_window if cfg.swa_layers[il] else 0
+        kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, kv_dtype, window)
+        x = model.embed(np.zeros(n, np.int64))
+        model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, rows=slice(n - 1, n) if last_only else None)
+    else:
+        _, n = step
+        w = model.output
+        rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
+        h = np.zeros((n, cfg.n_embd), np.float32)
+        cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
+        rows.matmul(h, np.empty((n, 8), np.float32))
+
+
 class Runtime:
-    def __init__(self, gf, cfg, *, layer_devices, output_device: str, backends: dict, n_ctx: int,
-                 n_batch: int, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, on_compile=None):
+    """The model's layers on their backends and its KV cache, as `plan` (edgellm.planner.Plan) places
+    them: plan.layers (a device per block), plan.output_device, plan.shape (n_ctx, n_batch, n_seq,
+    kv_type, kv_size). backends: device -> Backend, "cpu" always (the embedding runs there)."""
+
+    def __init__(self, gf, cfg, plan, backends: dict, *, on_compile=None):
         from edgellm.kv_cache import KVCache
         from edgellm.models import architecture
 
+        shape = plan.shape
+        n_ctx, n_batch, n_seq = shape.n_ctx, shape.n_batch, shape.n_seq
         if n_ctx < 1 or n_batch < 1:
             raise InvalidArgumentError(f"n_ctx and n_batch must be >= 1 (got {n_ctx}, {n_batch})")
         if int(n_seq) != n_seq or n_seq < 1:
             raise InvalidArgumentError(f"n_seq must be an integer >= 1 (parallel sequences), got {n_seq}")
         self.cfg = cfg
+        self.plan = plan
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_seq = int(n_seq)
         self.backends = backends
-        self.layer_devices = list(layer_devices)
-        self.output_device = output_device
+        self.layer_devices = list(plan.layers)
+        self.output_device = plan.output_device
         cpu = backends["cpu"]
         module = architecture(cfg.arch)
-        self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[output_device], cpu)
+        self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[self.output_device],
+                                  cpu)
         self.cache = KVCache(cfg, [backends[d] for d in self.layer_devices], n_ctx=n_ctx, n_batch=n_batch,
-                             n_seq=self.n_seq, kv_type=kv_type, kv_size=kv_size)
+                             n_seq=self.n_seq, kv_type=shape.kv_type, kv_size=shape.kv_size)
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
         self.seq = None  # the single-context API's sequence (created on first use)
         self.timing = StepTiming()
@@ -81,30 +139,9 @@ class Runtime:
         self._release_compiler()
 
     def _warm_up(self, cpu) -> None:
-        cfg, model = self.cfg, self.model
-        last = len(self.layer_devices) - 1
-        kinds: dict = {}
-        for il, d in enumerate(self.layer_devices):
-            if d == "cpu":
-                w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
-                kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
         dtype = self.cache.kv_type.kernel_dtype  # a quantized cache's attention runs the float32 kernels
-        runs = [(9, False), (9, True), (1, False)] + ([(3, False)] if self.n_seq > 1 else [])
-        for il in kinds.values():
-            window = cfg.sliding_window if cfg.swa_layers[il] else 0
-            for n, last_only in runs:
-                if last_only and il != last:
-                    continue
-                kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, dtype, window)
-                x = model.embed(np.zeros(n, np.int64))
-                model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, rows=slice(n - 1, n) if last_only else None)
-        if self.output_device == "cpu" and hasattr(model.output, "ggml_type"):
-            w = model.output
-            rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
-            for n in (9, 1) + ((3,) if self.n_seq > 1 else ()):
-                h = np.zeros((n, cfg.n_embd), np.float32)
-                cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
-                rows.matmul(h, np.empty((n, 8), np.float32))
+        for step in warm_up_steps(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq):
+            run_warm_up_step(step, self.cfg, cpu, self.model, dtype)
 
     def _release_compiler(self) -> None:
         """Release the compiler's pages if kernels were loaded since the last time."""

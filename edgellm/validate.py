@@ -237,7 +237,7 @@ def check_tokenizer(md: Mapping[str, Any], where: Any = "") -> int:
 
 # --- the CPU backend's second line of defence (against our own bugs as much as files) ------
 def check_matrix_bytes(w) -> None:
-    """A QMatrix (backend_cpu) must hold exactly n_rows rows of n_cols weights of its type: the
+    """A QMatrix (edgellm.backend) must hold exactly n_rows rows of n_cols weights of its type: the
     kernels take the row count and row length from the array, so other bytes would be read as
     another shape."""
     from edgellm.quants import quant_type

@@ -7,12 +7,9 @@ the code never asks which quant type or device a weight has: each layer's backen
 from __future__ import annotations
 
 import math
-from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
-
-from edgellm.backend_cpu import qkv_attention_by_ops
 
 # Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional.
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -121,9 +118,9 @@ class Decoder:
         row: `slice(n - 1, n)`) or an index array. The block then returns those rows of x (a view
         for a slice, a new array for indices), updated.
 
-        Backends may offer fused ops (CPUBackend does): `linear_many` (products sharing an input),
-        `qkv_attention` (biases, QK-norm, RoPE, cache store, attention) and `add_rms_norm`
-        (post-norm, residual, next norm); otherwise the same steps run as the primitive ops."""
+        The backend's fused ops (edgellm.backend.Backend: `linear_many` (products sharing an input),
+        `qkv_attention` (biases, QK-norm, RoPE, cache store, attention), `add_rms_norm` (post-norm,
+        residual, next norm)) run as the primitive ops unless the backend fuses them (CPUBackend)."""
         cfg, L = self.cfg, self.blocks[il]
         n = x.shape[0]
         hd_k, hd_v, eps = cfg.head_dim_k, cfg.head_dim_v, cfg.rms_eps
@@ -139,9 +136,7 @@ class Decoder:
             # the backend ran the whole block in one fused call: decode tokens, one per sequence,
             # each with the bits it gets alone
             return x if rows is None else x[rows]
-        add_rms_norm = getattr(b, "add_rms_norm", None) or _add_rms_norm_by_ops(b)
-        qkv_attention = getattr(b, "qkv_attention", None) or partial(qkv_attention_by_ops, b)
-        linear_many = getattr(b, "linear_many", None) or partial(_linear_many_by_ops, b)
+        add_rms_norm, qkv_attention, linear_many = b.add_rms_norm, b.qkv_attention, b.linear_many
 
         # attention rmsnorm
         b.rms_norm(x, L.attn_norm, eps, s.h)
@@ -184,20 +179,3 @@ class Decoder:
         b.linear(self.output, h, logits)
         return b.to_host(logits)
 
-
-def _add_rms_norm_by_ops(b):
-    """`add_rms_norm` as primitive backend ops (any backend)."""
-
-    def add_rms_norm(x, o, post_w, next_w, eps, h) -> None:
-        if post_w is not None:
-            b.rms_norm(o, post_w, eps, o)
-        b.add(x, o, x)
-        if next_w is not None:
-            b.rms_norm(x, next_w, eps, h)
-
-    return add_rms_norm
-
-
-def _linear_many_by_ops(b, ws, x, outs) -> None:
-    for w, out in zip(ws, outs):
-        b.linear(w, x, out)

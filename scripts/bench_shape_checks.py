@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> int:
     import edgellm
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--base", default="main")
     args = ap.parse_args(argv)
-    src = subprocess.run(["git", "show", f"{args.base}:edgellm/backend_cpu.py"], cwd=ROOT, capture_output=True,
+    src = subprocess.run(["git", "show", f"{args.base}:kernels/cpu/backend.py"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     old = sys.modules["backend_cpu_base"] = types.ModuleType("backend_cpu_base")
     exec(compile(src, "backend_cpu_base.py", "exec"), old.__dict__)

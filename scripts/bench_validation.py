@@ -33,7 +33,7 @@ def median_cpu_ms(fn, repeat: int) -> float:
 
 
 def main(argv=None) -> int:
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
     from edgellm.config import ModelConfig
     from edgellm.gguf_file import GGUFFile
     from edgellm.models.decoder import BIASES, OPTIONAL, REQUIRED

@@ -89,7 +89,8 @@ def close(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, atol: float)
 # ============================================================================ 1. kernels
 def check_kernels(report: Report) -> None:
     import test_cuda_reference as ref
-    from edgellm.backend_cpu import CPUBackend, QMatrix
+    from edgellm.backend import QMatrix
+    from edgellm.kernels.cpu.backend import CPUBackend
     from edgellm.kernels.cuda.backend import QUANT_KERNELS, CudaBackend
     from edgellm.quants import QUANT_TYPES
 

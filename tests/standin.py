@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgellm.backend_cpu import CPUBackend, QMatrix
+from edgellm.backend import QMatrix
+from edgellm.kernels.cpu.backend import CPUBackend
 
 
 class StandInGPU(CPUBackend):

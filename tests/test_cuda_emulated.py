@@ -20,7 +20,8 @@ import pytest
 from gguf import GGMLQuantizationType as GGMLType
 
 import test_cuda_reference as ref
-from edgellm.backend_cpu import CPUBackend, QMatrix
+from edgellm.backend import QMatrix
+from edgellm.kernels.cpu.backend import CPUBackend
 from edgellm.kernels.cuda.backend import QUANT_KERNELS
 from edgellm.quants import QUANT_TYPES
 

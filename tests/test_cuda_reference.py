@@ -188,7 +188,7 @@ RNG = np.random.default_rng(1234)
 
 
 def _cpu():
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
 
     return CPUBackend()
 

@@ -140,7 +140,7 @@ def test_float_weights_follow_vec_dot_for_one_token_and_tinyblas_for_more(ggml_t
 def test_attention_dot_products_follow_ggml(n_acc, dtype):
     """Attention over one key gives that key's value; over several, the output is the f16-rounded
     softmax times V summed in the same lane order as the reference dot product."""
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
 
     b = CPUBackend(threads=2)
     n_kv, hd, used = 1, 64, 40
@@ -159,7 +159,7 @@ def test_attention_dot_products_follow_ggml(n_acc, dtype):
     kc = kv.k[:used, 0]
     qr = q[0, 0].astype(dtype).astype(np.float32)
     s = (ref.dot_f16(kc, qr, n_acc) * np.float32(0.125)).astype(np.float32)
-    from edgellm.backend_cpu import expf_ggml
+    from edgellm.kernels.cpu.backend import expf_ggml
 
     e = expf_ggml(s - s.max())
     pad = np.zeros((-len(e)) % 8, np.float32)
@@ -180,7 +180,7 @@ def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n
     """attend_batch (V transposed, four keys and four rows of V^T at a time, visible ranges per
     token) returns attend_ggml's tinyBLAS-order result bit for bit: causal batches, a prefix
     already in the cache, sliding windows over a ring cache, f16 and f32 caches."""
-    from edgellm.backend_cpu import CPUBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
 
     b = CPUBackend(threads=2)
     size = n_tok + n_past if not window else min(n_tok + n_past, window + n_tok)

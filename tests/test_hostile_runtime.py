@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import edgellm
-from edgellm.backend_cpu import QMatrix
+from edgellm.backend import QMatrix
 from edgellm.errors import ContextFullError, EdgeLLMError, ModelShapeError
 from edgellm.fetch import model_path
 from edgellm.gguf_file import GGUFFile

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgellm.backend_cpu import NumpyBackend
+from edgellm.kernels.cpu.backend import NumpyBackend
 from edgellm.errors import InvalidArgumentError
 from edgellm.kv_cache import (BLOCK_SIZE, BlockPool, KVCache, block_hashes, blocks_per_sequence,
                               build_layouts, kv_bytes_per_token, pool_blocks)
@@ -144,7 +144,7 @@ def test_bytes_per_token_and_pool_size_are_the_ledger_formula():
 
 
 def test_hadamard_rotation_is_orthonormal_and_sized_like_llama_cpp():
-    from edgellm.backend_cpu import hadamard, rotate, rotation_size
+    from edgellm.backend import hadamard, rotate, rotation_size
 
     assert (rotation_size(64, True), rotation_size(256, True), rotation_size(192, True)) == (64, 256, 64)
     assert (rotation_size(256, False), rotation_size(80, True)) == (64, 0)

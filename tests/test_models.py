@@ -3,15 +3,18 @@ NumPy reference backend, batched prefill against token-by-token decode, and hybr
 GPU placement against the pure CPU run."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
 import edgellm
-from edgellm.backend_cpu import CPUBackend
+from edgellm.kernels.cpu.backend import CPUBackend
 from edgellm.backend_reference import ReferenceBackend
 from edgellm.config import ModelConfig
 from edgellm.gguf_file import GGUFFile
+from edgellm.placement import make_plan
 from edgellm.runtime import Runtime
 from edgellm.synthetic import write_synthetic_gguf
 from standin import StandInGPU
@@ -37,9 +40,10 @@ def synthetic(tmp_path_factory):
 def runtime(path, backends, layers=None, output="cpu", n_ctx=64, n_batch=16):
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    layers = layers or ["cpu"] * cfg.n_layer
-    return Runtime(gf, cfg, layer_devices=layers, output_device=output, backends=backends, n_ctx=n_ctx,
-                   n_batch=n_batch)
+    layers = tuple(layers or ["cpu"] * cfg.n_layer)
+    plan = make_plan(gf, cfg, gpu_layers=0, n_ctx=n_ctx, n_batch=n_batch, kv_type="f16")
+    plan = replace(plan, layers=layers, output_device=output, n_gpu_layers=layers.count("gpu"))
+    return Runtime(gf, cfg, plan, backends)
 
 
 def kl(p_logits, q_logits):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgellm.backend_cpu import CPUBackend, NumpyBackend, qkv_attention_by_ops, rope_cache
+from edgellm.backend import qkv_attention_by_ops
+from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend, rope_cache
 
 F32 = np.float32
 RNG = np.random.default_rng(2024)
@@ -97,7 +98,7 @@ def test_activations(shape):
 def test_silu_takes_ggml_exp_bit_for_bit():
     """SiLU's full groups of 8 (eight lanes at a time in the kernel) are g / (1 + expf_ggml(-g)) * up
     to the bit, overflow and underflow included; the tail of a row takes the C library's expf."""
-    from edgellm.backend_cpu import expf_ggml
+    from edgellm.kernels.cpu.backend import expf_ggml
 
     gate, up = randn(3, 1540, scale=8.0), randn(3, 1540)
     gate[0, :20] = [np.inf, -np.inf, 100, -100, 89, -89, 88.7, -88.7, 1e-30, -1e-30, 0, -0.0, 127, -127,

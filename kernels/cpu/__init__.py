@@ -77,16 +77,23 @@ def activation_format(ggml_type) -> str:
     return _FAMILY[quant_type(ggml_type).ggml_type][1]
 
 
+_NOT_KERNELS = ("backend.py",)  # modules of this package without Numba code (not in the cache key)
+
+
 def numba_cache_dir() -> Path:
     """Where compiled kernels are cached: edgellm's user cache dir (see edgellm.fetch) / numba /
-    a digest of this package's sources. Numba checks only the file of the function it caches, so
-    a change to a helper module (common.py, rowdot.py) would otherwise load stale machine code."""
+    a digest of this package's kernel sources. Numba checks only the file of the function it caches,
+    so a change to a helper module (common.py, rowdot.py) would otherwise load stale machine code.
+    backend.py (the backend built on the kernels, no compiled code of its own) is left out: an edit
+    there recompiles nothing."""
     import hashlib
 
     from edgellm.fetch import cache_dir
 
     digest = hashlib.sha256()
     for src in sorted(Path(__file__).parent.glob("*.py")):
+        if src.name in _NOT_KERNELS:
+            continue
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
     return cache_dir() / "numba" / digest.hexdigest()[:16]
 

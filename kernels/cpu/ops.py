@@ -1,5 +1,5 @@
 """Numba kernels for the non-matmul ops of a transformer block on the CPU (the quantized products
-live in the type families). Each has a NumPy twin in `edgellm.backend_cpu.NumpyBackend`, and
+live in the type families). Each has a NumPy twin in `edgellm.kernels.cpu.backend.NumpyBackend`, and
 tests/test_ops_cpu.py holds them together.
 
 Float16 KV cache: Numba has no float16 type, so the cache is passed as its uint16 bits and converted

@@ -4,7 +4,7 @@
 // k_cache  (n_slots, n_kv_head, head_dim_k) float16 (or float32)
 // v_cache  (n_slots, n_kv_head, head_dim_v), same dtype
 // kv_pos   (n_slots,) int32: the position held by each slot, -1 when empty (the cache may be a ring,
-//          slot = position % n_slots, as in edgellm.backend_cpu.KVLayer); only slots < n_used are read
+//          slot = position % n_slots, as in edgellm.backend.KVLayer); only slots < n_used are read
 // out      (n_tok, n_head * head_dim_v) float32
 // Query at position p sees slot j when 0 <= kv_pos[j] <= p and, for a sliding window (window > 0),
 // p - kv_pos[j] < window (llama.cpp masks a key when query_pos - key_pos >= n_swa). Head h reads kv

@@ -1,4 +1,4 @@
-"""GPU backend: the ops model code calls (see edgellm.backend_cpu.CPUBackend), on CuPy arrays.
+"""GPU backend: the ops model code calls (the interface: edgellm.backend.Backend), on CuPy arrays.
 
 Weight matrices are uploaded once as their raw GGUF blocks, uint8 (n_rows, row_bytes), and stay
 quantized in VRAM. Products with quantized weights first quantize the activations to 8-bit blocks in
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.backend_cpu import KVLayer, QMatrix
+from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
 from edgellm.errors import InvalidArgumentError, OutOfMemoryError
 from edgellm.kernels import cuda as _cuda
 from edgellm.quants import quant_type
@@ -115,7 +115,7 @@ class CudaKVLayer(KVLayer):
         self.pos_device.fill(-1)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Backend ops on one CUDA device. Raises GPUUnavailableError when CuPy or the device is missing."""
 
     device = "gpu"
@@ -346,7 +346,7 @@ class CudaBackend:
             raise InvalidArgumentError(f"n_rot must be even and in 1..head_dim ({head_dim}), not {n_rot}")
         pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32) if isinstance(pos, np.ndarray) else pos,
                                 dtype=self.cp.int32)
-        theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as backend_cpu.rope_cache computes it
+        theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as kernels.cpu.backend.rope_cache computes it
         has_ff = freq_factors is not None
         ff = self.cp.asarray(freq_factors, dtype=self.cp.float32) if has_ff else pos_d
         threads = min(256, 32 * _blocks(n_rot // 2, 32))
@@ -376,8 +376,6 @@ class CudaBackend:
         per sequence into contiguous arrays for the kernel (a token alone, or a prompt chunk)."""
         if isinstance(kv, CudaKVLayer):
             return self._attend(q, kv.k, kv.v, kv.pos_device, kv.n_used, pos, kv.window, scale, out)
-        from edgellm.backend_cpu import attention_layout
-
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         for t0, t1 in [(t, t + 1) for t in range(n_single)] + list(chunks):
             keys = kmap[kbeg[t0]:kend[t0]]

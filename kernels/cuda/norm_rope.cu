@@ -1,5 +1,5 @@
 // RMSNorm (also per-head QK-norm) and rotary position embedding, float32 activations.
-// The rounding follows edgellm.backend_cpu (which follows ggml's CPU code) so both devices agree.
+// The rounding follows edgellm.kernels.cpu.backend (which follows ggml's CPU code) so both devices agree.
 #include "common.cuh"
 
 #define NORM_THREADS 256

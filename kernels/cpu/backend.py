@@ -1,7 +1,9 @@
-"""CPU backend: the ops model code calls, on NumPy arrays; quantized products run in Numba kernels.
+"""CPU backend: the ops model code calls (the interface: edgellm.backend.Backend), on NumPy arrays;
+quantized products run in Numba kernels.
 
-`CPUBackend` runs every op in Numba (kernels/cpu/ops.py) and adds two fused ops for the decoder;
-`NumpyBackend` holds the same ops in plain NumPy, their reference twins. Every op writes into an
+`CPUBackend` runs every op in Numba (kernels/cpu/ops.py) and fuses the decoder's steps (`linear_many`,
+`qkv_attention`, `add_rms_norm`, `decode_block`); `NumpyBackend` holds the same ops in plain NumPy,
+their reference twins. Every op writes into an
 out-parameter (or works in place). The arithmetic follows ggml's CPU code
 where the order of rounding matters for matching llama.cpp: RMSNorm sums squares in float64 and
 scales in float32; RoPE angles are built by repeated float32 multiplication like ggml's rope cache;
@@ -11,93 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout, qkv_attention_by_ops
 from edgellm.gguf_file import TensorInfo
 
 F32 = np.float32
-
-
-@dataclass(frozen=True)
-class QMatrix:
-    """A weight matrix kept in its quantized blocks: data uint8 (n_rows, row_bytes)."""
-
-    ggml_type: int
-    data: np.ndarray
-    n_rows: int
-    n_cols: int
-    name: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
-
-class KVLayer:
-    """One layer's K and V cache on the layer's device.
-
-    size slots of (n_kv_head, head_dim); a token at position p lives in slot p % size, so a
-    sliding-window layer needs only window + n_batch slots. `pos[slot]` is the position held (-1: empty).
-    """
-
-    def __init__(self, xp, size: int, n_kv_head: int, head_dim_k: int, head_dim_v: int, dtype, window: int = 0):
-        self.size = size
-        self.window = window
-        self.k = xp.zeros((size, n_kv_head, head_dim_k), dtype=dtype)
-        self.v = xp.zeros((size, n_kv_head, head_dim_v), dtype=dtype)
-        if xp is np:  # commit the pages now (zeros() maps them lazily): memory runs out at load,
-            self.k.fill(0)  # never in the middle of a generation
-            self.v.fill(0)
-        self.pos = np.full(size, -1, dtype=np.int64)  # host-side bookkeeping
-        self.n_used = 0  # slots [0, n_used) may hold data
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
-    def clear(self) -> None:
-        self.pos[:] = -1
-        self.n_used = 0
-
-    def slots(self, positions: np.ndarray) -> np.ndarray:
-        return positions % self.size
-
-    @property
-    def layout(self):
-        """The ring as a one-sequence step layout: every query sees slots [0, n_used), one token
-        alone (the one-token kernel), a batch as one chunk."""
-        return _RingLayout(self)
-
-    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
-        if getattr(self, "_kernel_arrays", None) is None:
-            bits = self.k.dtype == np.float16
-            self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
-        return self._kernel_arrays
-
-
-class _RingLayout:
-    """kv_cache.StepLayout's fields for a ring KVLayer (computed when read: n_used changes)."""
-
-    def __init__(self, kv: KVLayer):
-        self.kv = kv
-
-    def for_tokens(self, n_tok: int):
-        used = self.kv.n_used
-        kmap = np.arange(used, dtype=np.int64)
-        kbeg, kend = np.zeros(n_tok, np.int64), np.full(n_tok, used, np.int64)
-        return kmap, kbeg, kend, (1 if n_tok == 1 else 0), ([] if n_tok == 1 else [(0, n_tok)])
-
-
-def attention_layout(kv, n_tok: int):
-    """(kmap, kbeg, kend, n_single, chunks) of a step over cache layer kv (see kv_cache.StepLayout)."""
-    lay = kv.layout
-    if isinstance(lay, _RingLayout):
-        return lay.for_tokens(n_tok)
-    return lay.kmap, lay.kbeg, lay.kend, lay.n_single, lay.chunks
 
 
 def kv_rows(kv, keys: np.ndarray):
@@ -113,7 +35,7 @@ def kv_rows(kv, keys: np.ndarray):
             dequantize(v.reshape(-1, v.shape[-1]), quant.ggml_type).reshape(v.shape[0], v.shape[1], -1))
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     """The ops in plain NumPy: the slow, obviously-correct twin of every Numba op of `CPUBackend`
     (tests/test_ops_cpu.py holds them together). Products already run in the Numba kernels."""
 
@@ -279,9 +201,10 @@ class NumpyBackend:
 
 
 class CPUBackend(NumpyBackend):
-    """The CPU backend: the NumpyBackend ops as Numba kernels (kernels/cpu/ops.py), plus two fused
-    ops the decoder uses when a backend has them (`qkv_attention`, `add_rms_norm`), so a decode
-    step of a layer is a handful of kernel calls instead of ~20 NumPy ones."""
+    """The CPU backend: the NumpyBackend ops as Numba kernels (kernels/cpu/ops.py), and the fused
+    ops as fewer kernel calls (`linear_many`, `qkv_attention`, `add_rms_norm`; `decode_block`: a
+    whole block for one token in one call), so a decode step of a layer is one kernel call instead
+    of ~20 NumPy ones."""
 
     def __init__(self, threads: int | None = None, resident: bool = False):
         super().__init__(threads)
@@ -532,69 +455,6 @@ class CPUBackend(NumpyBackend):
         if isinstance(kv, KVLayer):
             kv.n_used = max(kv.n_used, int(slots.max()) + 1)
         self.attention(q, kv, pos, scale, out)
-
-
-def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_base, freq_scale, neox, kv, pos,
-                          scale, out, q_scale=1.0) -> None:
-    """`qkv_attention` as a sequence of the primitive backend ops (any backend; q * q_scale is
-    an in-place array product, which NumPy and CuPy arrays both take)."""
-    for x, bias in zip((q, k, v), biases):
-        if bias is not None:
-            b.add(x, bias.reshape(x.shape[1:]), x)
-    if q_norm is not None:
-        b.rms_norm(q, q_norm, eps, q)
-    if k_norm is not None:
-        b.rms_norm(k, k_norm, eps, k)
-    b.rope(q, pos, n_rot, freq_base, freq_scale, neox)
-    b.rope(k, pos, n_rot, freq_base, freq_scale, neox)
-    if q_scale != 1.0:
-        q *= np.float32(q_scale)
-    quant = getattr(kv, "quant", None)
-    rot_k = hadamard(rotation_size(k.shape[-1], widest=True)) if quant is not None else None
-    rot_v = hadamard(rotation_size(v.shape[-1], widest=False)) if quant is not None else None
-    if rot_k is not None:  # a block-quantized cache: q and k rotated alike, so q . k is unchanged
-        rotate(q, rot_k)
-        rotate(k, rot_k)
-    if rot_v is not None:
-        rotate(v, rot_v)
-    b.kv_store(kv, k, v, pos)
-    b.attention(q, kv, pos, scale, out)
-    if rot_v is not None:  # the output is a sum of rotated values: rotate it back (H H = I)
-        rotate(out.reshape(out.shape[0], -1, v.shape[-1]), rot_v)
-
-
-# Before a block-quantized cache stores K and V, llama.cpp rotates q and k (and v, rotating the
-# attention output back) by an orthonormal Walsh-Hadamard matrix, which spreads outlier values over
-# the block and makes the 4/8-bit blocks far more accurate (SmolLM2 q4_0: mean KL 0.17 -> 0.05).
-# Size: K the largest power of two >= 64 dividing head_dim, V 64; none when head_dim % 64 != 0.
-def rotation_size(head_dim: int, widest: bool) -> int:
-    if head_dim % 64:
-        return 0
-    n = 64
-    while widest and head_dim % (2 * n) == 0:
-        n *= 2
-    return n
-
-
-@functools.lru_cache(maxsize=8)
-def hadamard(n: int) -> np.ndarray | None:
-    """float32 (n, n) orthonormal Walsh-Hadamard matrix (Sylvester's construction: symmetric, H H = I);
-    None for n = 0."""
-    if n == 0:
-        return None
-    h = np.ones((1, 1), np.float64)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    h = (h / np.sqrt(n)).astype(F32)
-    h.flags.writeable = False
-    return h
-
-
-def rotate(x: np.ndarray, h: np.ndarray) -> None:
-    """In place: each run of len(h) values along x's last axis times h."""
-    n = h.shape[0]
-    flat = x.reshape(-1, n)
-    flat[:] = flat @ h
 
 
 _NONE = np.empty(0, dtype=F32)  # "no weight" / "no bias" for the kernels (read-only use)
