@@ -4,9 +4,14 @@ A token's block is ~15 small kernels; called one by one from Python each costs a
 of dispatch plus a parallel-region launch (~5 us with two threads, measured), which for SmolLM2
 (30 blocks, 0.5-2 MB of weights each) was a third of the decode step. Here the block runs as one
 call with five parallel regions: the q/k/v rows together, attention, the output projection, the
-gate/up rows together, the down projection. The arithmetic is the unfused kernels' own (the same
+gate/up rows with the activation, the down projection. The arithmetic is the unfused kernels' own (the same
 row dot products in ggml's order, the same norm / RoPE / attention / activation code), so the
 results are identical bit for bit (tests/test_models.py holds them together).
+
+A step may hold one decode token of each of up to 7 sequences (models/decoder.py ALONE_MAX): they
+go through the block in the same call, each row kernel taking its chunk of rows once for all of
+them (the rows stay in the cache for the tokens after the first), each token with the one-token
+kernels and order — the bits it gets decoded alone — and its own key list in the attention.
 
 Weights must be of a type with a row kernel here (`ROW_TYPES`); CPUBackend runs other layers
 through the unfused ops.
