@@ -27,17 +27,9 @@ from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
 from edgellm.kernels.cpu.rowdot import _V8F, _fma, _k_scales, _load_vec, _madd16, _ptr, const
+from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
 
 _I32 = ir.IntType(32)
-
-
-def _maddubs(builder, u8, s8):
-    """<16 x i16>: lane j = u8[2j] s8[2j] + u8[2j+1] s8[2j+1] (pmaddubsw; no saturation here)."""
-    if AVX2:
-        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
-    prod = builder.mul(builder.zext(u8, _i16(32)), builder.sext(s8, _i16(32)))
-    return builder.add(builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(0, 32, 2)))),
-                       builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), list(range(1, 32, 2)))))
 
 
 def _hadd(builder, a, b):
