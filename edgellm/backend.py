@@ -119,10 +119,19 @@ class Backend(ABC):
 
     device: str = "cpu"  # "cpu" | "gpu": the key of this backend in the runtime's and the ledger's maps
     # decode_block(L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu, q_scale)
-    #   -> bool: one token through a whole block (x (1, n_embd) in place, s the decoder's scratch) in
-    #   one call; False, having done nothing, when it cannot take this block. None: not offered (the
-    #   decoder runs the block op by op).
+    #   -> bool: decode tokens of up to 7 sequences (one each) through a whole block (x (n, n_embd) in
+    #   place, s the decoder's scratch) in one call, each with the bits it gets alone; False, having
+    #   done nothing, when it cannot take this block. None: not offered (the decoder runs the block
+    #   op by op).
     decode_block = None
+
+    def claim_thread(self) -> None:
+        """Called at the start of every step in the thread that runs it (a backend whose settings
+        belong to the calling thread re-applies them there). Default: nothing."""
+
+    def make_resident(self, model) -> None:
+        """Called once after the warm-up: the backend may move the weights of its layers (model:
+        the Decoder) to where its kernels read them fastest. Default: nothing."""
 
     # --- memory and the host ----------------------------------------------------------------------
     @abstractmethod

@@ -24,6 +24,7 @@ CHUNK = 64 << 20  # matrices are packed into chunks of this size (larger ones ge
 MIN_BYTES = 16 << 10  # smaller arrays stay mapped (not worth a copy)
 SLICE = 4 << 20  # bytes copied between two drops of the source's pages
 _MADV_DONTNEED = 4
+_libc = None  # ctypes' handle to the C library, for madvise (loaded on first use)
 
 
 def huge_pages_available() -> bool:
@@ -99,8 +100,10 @@ def _drop_pages(data: np.ndarray) -> None:
     a = data.ctypes.data
     lo, hi = (a + page - 1) // page * page, (a + data.nbytes) // page * page
     if hi > lo:
+        global _libc
         try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
-                                                      ctypes.c_int(_MADV_DONTNEED))
+            if _libc is None:
+                _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(_MADV_DONTNEED))
         except (OSError, AttributeError):
             pass

@@ -117,9 +117,7 @@ class Runtime:
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
         self.warm_up(on_compile)
-        make_resident = getattr(cpu, "make_resident", None)
-        if make_resident is not None:
-            make_resident(self.model)
+        cpu.make_resident(self.model)
 
     def warm_up(self, on_compile=None) -> None:
         """Load the CPU kernels a prompt and a decode step run before any weight is read, then hand
@@ -166,9 +164,8 @@ class Runtime:
         are in the cache)."""
         from edgellm.kv_cache import build_layouts
 
-        claim = getattr(self.backends.get("cpu"), "claim_thread", None)
-        if claim is not None:
-            claim()
+        for b in self.backends.values():
+            b.claim_thread()
         ids = np.concatenate([e[1] for e in entries]).astype(np.int64, copy=False)
         pos_list = [np.arange(seq.n_past, seq.n_past + len(t), dtype=np.int64) for seq, t in entries]
         pos = np.concatenate(pos_list)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, quantize_q8_k
 from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.ops import _store, add_rms_norm, attend_ggml, expf_ggml, prepare_qkv, rms_norm
+from edgellm.kernels.cpu.ops import add_rms_norm, attend_ggml, expf_ggml, gelu_ggml, prepare_qkv, rms_norm
 from edgellm.kernels.cpu.legacy import _row_q4_0
 from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q3_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
                                         rowdot_q8_0)
@@ -165,14 +165,8 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
             for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n_ff)):
                 j = t * n_ff + i
                 g = gf[j]
-                if gelu:  # ggml's GEGLU: f16 table lookup within (-10, 10)
-                    if g <= F32(-10.0):
-                        y = F32(0.0)
-                    elif g >= F32(10.0):
-                        y = g
-                    else:
-                        y = gelu_table[U(_store(g, np.uint16(0)))]
-                    gf[j] = y * uf[j]
+                if gelu:  # ggml's GEGLU
+                    gf[j] = gelu_ggml(g, gelu_table) * uf[j]
                 else:
                     e = expf_ggml(-g) if i < n8 else np.exp(-g)
                     gf[j] = g / (F32(1.0) + e) * uf[j]

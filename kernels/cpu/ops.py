@@ -123,6 +123,17 @@ def silu_mul(gate, up, out):
             out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
 
 
+@njit(inline="always")
+def gelu_ggml(g, table):
+    """ggml's GELU of one float32: the f16 GELU table at g rounded to f16 for -10 < g < 10, 0 below,
+    g itself above."""
+    if g <= F32(-10.0):
+        return F32(0.0)
+    if g >= F32(10.0):
+        return g
+    return table[U(_store(g, np.uint16(0)))]
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def gelu_mul(gate, up, table, out):
     """out = gelu(gate) * up, float32 (rows, n), as ggml's GEGLU: the f16 GELU table at gate
@@ -130,14 +141,7 @@ def gelu_mul(gate, up, table, out):
     rows, n = gate.shape
     for r in prange(rows):
         for i in range(n):
-            g = gate[r, i]
-            if g <= F32(-10.0):
-                y = F32(0.0)
-            elif g >= F32(10.0):
-                y = g
-            else:
-                y = table[U(_store(g, np.uint16(0)))]
-            out[r, i] = y * up[r, i]
+            out[r, i] = gelu_ggml(gate[r, i], table) * up[r, i]
 
 
 @njit(cache=True, nogil=True)
