@@ -227,7 +227,10 @@ def test_queue_full_is_503(srv):
         with srv.http.stream("POST", "/v1/completions", json=body) as a, \
                 srv.http.stream("POST", "/v1/completions", json=body) as b:
             assert a.status_code == b.status_code == 200
-            with pytest.raises(openai.InternalServerError) as e:
+            # no step runs while the test holds the engine's step lock: neither stream can finish (a
+            # slow moment between the two 200s and the third request once let one finish first)
+            with srv.model.engine.lock, pytest.raises(openai.InternalServerError) as e:
+                assert srv.engine.in_flight == 2
                 srv.client.chat.completions.create(model=srv.name, messages=HI, max_tokens=2)
             assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
     finally:
