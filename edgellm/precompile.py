@@ -229,20 +229,25 @@ def fetch_and_prepare(model, *, gpu_layers=0, kv_type: str = "f16", verbose: boo
     return path
 
 
-def _compile_stand_in(stand_in: tuple[str, str], kv_type: str) -> None:
-    """Silently (pip's progress bar has the terminal), never failing: the real file's turn comes."""
-    import io
-    import tempfile
-
+def write_stand_in(stand_in, path) -> Path:
+    """The stand-in file (edgellm.fetch.StandIn) at `path`: 2 layers, 256 wide."""
     from gguf import GGMLQuantizationType
 
     from edgellm.synthetic import write_synthetic_gguf
 
-    arch, type_name = stand_in
+    types = {name: GGMLQuantizationType[t] for name, t in stand_in.tensor_types(2).items()}
+    return write_synthetic_gguf(path, arch=stand_in.arch, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                                n_vocab=512, ggml_type=GGMLQuantizationType[stand_in.embd], tensor_types=types)
+
+
+def _compile_stand_in(stand_in, kv_type: str) -> None:
+    """Silently (pip's progress bar has the terminal), never failing: the real file's turn comes."""
+    import io
+    import tempfile
+
     try:
         with tempfile.TemporaryDirectory(prefix="edgellm-stand-in-") as tmp:
-            path = write_synthetic_gguf(Path(tmp) / "stand-in.gguf", arch=arch, n_layer=2, n_embd=256, n_head=4,
-                                        n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLQuantizationType[type_name])
+            path = write_stand_in(stand_in, Path(tmp) / "stand-in.gguf")
             precompile(path, kv_type=kv_type, report=CompileProgress(io.StringIO()), stamp=False)
     except Exception:
         pass

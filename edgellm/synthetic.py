@@ -12,6 +12,7 @@ the legacy types) → writer.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,12 +366,15 @@ def write_synthetic_gguf(
     sliding_window: int = 512,
     seed: int = 0,
     sparse: bool = False,
+    tensor_types: Mapping[str, GGMLType] | None = None,
 ) -> Path:
     """Write a GGUF file of the given architecture and shape; returns its path.
 
     2-D weights are stored as `ggml_type` (or its fallback where a row does not split into blocks,
     see `storage_type`), norms and biases as F32. `sliding_window` is used by gemma3 only.
     `sparse=True`: nothing is generated or quantized; the tensor data region is left as a hole.
+    `tensor_types`: a type per tensor name for the weights that are not to be `ggml_type` (with the
+    same fallback), as a mixed file (Q4_K_M) has.
     """
     if arch not in ARCHITECTURES:
         raise InvalidArgumentError(f"arch={arch!r} is not one of {', '.join(ARCHITECTURES)}")
@@ -391,7 +395,10 @@ def write_synthetic_gguf(
     rng = np.random.default_rng(seed)
     data_bytes = 0
     for name, np_shape, kind in tensor_table(arch, shape, tied_output):
-        qtype = storage_type(ggml_type, np_shape[-1]) if kind in ("matrix", "embd") else GGMLType.F32
+        asked = GGMLType((tensor_types or {}).get(name, ggml_type))
+        if asked not in FILE_TYPES:
+            raise InvalidArgumentError(f"{name}: type {asked.name} is not supported")
+        qtype = storage_type(asked, np_shape[-1]) if kind in ("matrix", "embd") else GGMLType.F32
         if sparse:
             n_rows = int(np.prod(np_shape[:-1], dtype=np.int64))
             nbytes = n_rows * QUANT_TYPES[qtype].row_bytes(np_shape[-1])

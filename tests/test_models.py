@@ -130,6 +130,29 @@ def test_fused_decode_block_is_the_unfused_ops_bit_for_bit(synthetic, arch, qtyp
     np.testing.assert_array_equal(a, b)
 
 
+MIXED = (("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K"),  # Gemma-3 Q4_K_M's two layer kinds
+         ("Q4_1", "Q2_K", "Q3_K", "Q5_1", "Q5_K", "Q4_0", "Q4_K"),
+         ("Q5_0", "Q5_0", "Q5_0", "Q4_K", "Q5_0", "Q5_0", "Q4_K"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fused_decode_block_with_mixed_types_is_the_unfused_ops_bit_for_bit(tmp_path, arch):
+    """Layers whose weights are of several types, legacy and K-quant together (decode_block's
+    variant with both families of row kernels, what a Q4_K_M file runs), and each layer's own."""
+    from edgellm.fetch import ROLES
+
+    types = {f"blk.{i}.{r}.weight": T[t] for i in range(SHAPE["n_layer"]) for r, t in zip(ROLES, MIXED[i])}
+    path = write_synthetic_gguf(tmp_path / "mixed.gguf", arch=arch, ggml_type=T.Q8_0, seed=7, tensor_types=types,
+                                **SHAPE)
+    fused_backend = CPUBackend()
+    fused, plain = runtime(path, {"cpu": fused_backend}), runtime(path, {"cpu": UnfusedCPU()})
+    assert [L.ffn_up.ggml_type for L in fused.model.blocks] == [T.Q5_0, T.Q4_0, T.Q5_0]
+    a = np.stack([fused.eval([t]) for t in TOKENS])
+    b = np.stack([plain.eval([t]) for t in TOKENS])
+    assert sum(p is not False for p in fused_backend._fused.values()) == SHAPE["n_layer"]  # it ran fused
+    np.testing.assert_array_equal(a, b)
+
+
 def test_sliding_window_keeps_only_the_window(synthetic):
     """gemma3 with a window of 8: the sliding layers' pool holds one sequence's window + a batch
     (blocks falling out of the window go back), and gives what a full-size pool gives."""
@@ -230,3 +253,16 @@ def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(syntheti
         rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
     together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=[0, 1, 2])
     np.testing.assert_array_equal(together, np.stack(alone))
+
+
+def test_decode_block_is_compiled_per_family_of_row_types():
+    """type_mask: which row kernels a block's decode_block variant holds (legacy, K-quant or both)."""
+    import numba
+
+    from edgellm.kernels.cpu import fused
+
+    legacy, k = fused.ROW_TYPES - fused.K_TYPES, fused.K_TYPES
+    for types, mask, present in [({T.Q4_1}, (0, None), legacy), ({T.Q4_K, T.Q6_K}, (None, 0), k),
+                                 ({T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K}, (0, 0), legacy | k)]:
+        assert fused.type_mask(types) == mask
+        assert fused._present(numba.typeof(mask)) == present

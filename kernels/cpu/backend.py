@@ -394,12 +394,12 @@ class CPUBackend(NumpyBackend):
             kv.n_used = max(kv.n_used, int(slots.max()) + 1)
         kmap, kbeg, kend, _, _ = attention_layout(kv, n)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
-        weights, norms, tids, _ = plan
+        weights, norms, tids, _, mask = plan
         self.fused_ops.decode_block(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
             s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
             *self._fused_activations(n * max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
-            *weights, tids, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, slots, kmap, kbeg, kend,
+            *weights, tids, mask, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, slots, kmap, kbeg, kend,
             kv.window, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
         return True
 
@@ -416,7 +416,8 @@ class CPUBackend(NumpyBackend):
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-        return weights, norms, np.array([m.ggml_type for m in mats], dtype=np.int64), {}
+        tids = np.array([m.ggml_type for m in mats], dtype=np.int64)
+        return weights, norms, tids, {}, fused.type_mask({m.ggml_type for m in mats})
 
     def _fused_activations(self, n: int):
         """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
+from numba import types as nbtypes
+from numba.extending import overload
 
 from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, quantize_q8_k
 from edgellm.kernels.cpu.kquants import _row_q4_k
@@ -32,7 +34,26 @@ from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
     GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
-ROW_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
+ROW_ORDER = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+ROW_TYPES = frozenset(ROW_ORDER)
+K_TYPES = frozenset((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))  # activations in Q8_K form (the others: Q8_0 / Q8_1)
+
+
+def type_mask(types) -> tuple:
+    """decode_block's `mask` argument for a block whose weights are of `types` (ROW_TYPES): (0 if a
+    type with Q8_0 / Q8_1 activations is among them else None, the same for the K-quants). Numba
+    compiles decode_block once per mask, with the row kernels and activation form of the families
+    present only: an all-legacy model (SmolLM2's Q4_1) compiles no K-quant kernel and an all-K
+    model no legacy one (the first run's decode compile ~25% shorter), and a test suite going
+    through every type compiles at most three variants per block layout."""
+    types = frozenset(int(t) for t in types)
+    return (0 if types - K_TYPES else None, 0 if types & K_TYPES else None)
+
+
+def _present(mask) -> frozenset:
+    """The types decode_block is compiled for, from its mask's Numba type (at compile time)."""
+    legacy, k = (not isinstance(ty, nbtypes.NoneType) for ty in mask.types)
+    return (ROW_TYPES - K_TYPES if legacy else frozenset()) | (K_TYPES if k else frozenset())
 
 
 @njit(inline="always")
@@ -44,81 +65,110 @@ def _is_k(tid):
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
 
 
-@njit(cache=True, nogil=True)
-def _rows(tid, w, c, out, a32, ak, n_in, n_tok):
+def _rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
     """Rows [c * CHUNK, (c + 1) * CHUNK) of w (clipped) times each of n_tok tokens' activations
     (token t's at t n_in values / t n_in / 32 or / 256 blocks of the buffers) into out (token t's
-    row at t w.shape[0]): one compiled copy of each type's row kernel, called from every parallel
-    loop of decode_block (the type test once per chunk). The chunk's rows stay in the cache for
-    the tokens after the first; each (row, token) is the one-token kernel's result."""
-    r0 = c * CHUNK
-    r1 = min(r0 + CHUNK, w.shape[0])
-    rb, n_out = U(w.shape[1]), U(w.shape[0])
-    n32, nk = U(n_in // 32), U(n_in // 256)
-    for t in range(U(n_tok)):
-        xo, b32, bk, oo = t * U(n_in), t * n32, t * nk, t * n_out
-        if tid == Q4_1:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q4_1(w, U(r) * rb, a32[0], xo, a32[1], a32[3], b32, n32)
-        elif tid == Q5_0:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q5_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
-        elif tid == Q8_0:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q8_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
-        elif tid == Q4_0:
-            r8 = r0 + (r1 - r0) // 8 * 8
-            for r in range(r0, r8, 8):  # eight rows at a time: the same sums (rows8)
-                rows8_q4_0(w, U(r) * rb, rb, a32[0], a32[1], a32[2], b32, n32, out, oo + U(r))
-            for r in range(r8, r1):
-                out[oo + r] = _row_q4_0(w[r], a32[0], a32[1], a32[2], t, n32)
-        elif tid == Q5_1:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot1_q5_1(w, U(r) * rb, a32[0], xo, U(0), a32[1], a32[3], b32, n32)
-        elif tid == Q5_K:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q5_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
-        elif tid == Q6_K:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
-        elif tid == Q3_K:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q3_k(w, U(r) * rb, ak[0], xo, ak[1], bk, nk)
-        elif tid == Q2_K:
-            for r in range(r0, r1):
-                out[oo + r] = rowdot_q2_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
-        else:  # Q4_K
-            r8 = r0 + (r1 - r0) // 8 * 8
-            for r in range(r0, r8, 8):
-                rows8_q4_k(w, U(r) * rb, rb, ak[0], ak[1], ak[2], bk, nk, out, oo + U(r))
-            for r in range(r8, r1):
-                out[oo + r] = _row_q4_k(w[r], ak[0], ak[1], ak[2], t, nk, False)
+    row at t w.shape[0]): one compiled copy of each present type's row kernel (`mask`), called from
+    every parallel loop of decode_block (the type test once per chunk). The chunk's rows stay in the
+    cache for the tokens after the first; each (row, token) is the one-token kernel's result.
+    Compiled only inside decode_block (the overload below)."""
+    raise NotImplementedError("called from decode_block's compiled code only")
 
 
-@njit(cache=True, nogil=True)
-def _quantize(x, a32, ak, need32, needk):
+@overload(_rows, jit_options={"nogil": True})
+def _rows_overload(mask, tid, w, c, out, a32, ak, n_in, n_tok):
+    return _rows_for(_present(mask))
+
+
+def _rows_for(present: frozenset):
+    """_rows for the types in `present`: the absent types' branches test a False constant, which
+    Numba prunes before typing, so their row kernels are never compiled."""
+    has_q4_0, has_q4_1, has_q5_0, has_q5_1, has_q8_0, has_q2_k, has_q3_k, has_q4_k, has_q5_k, has_q6_k = (
+        t in present for t in ROW_ORDER)
+
+    def rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
+        r0 = c * CHUNK
+        r1 = min(r0 + CHUNK, w.shape[0])
+        rb, n_out = U(w.shape[1]), U(w.shape[0])
+        n32, nk = U(n_in // 32), U(n_in // 256)
+        for t in range(U(n_tok)):
+            xo, b32, bk, oo = t * U(n_in), t * n32, t * nk, t * n_out
+            if has_q4_1 and tid == Q4_1:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q4_1(w, U(r) * rb, a32[0], xo, a32[1], a32[3], b32, n32)
+            elif has_q5_0 and tid == Q5_0:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q5_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
+            elif has_q8_0 and tid == Q8_0:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q8_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
+            elif has_q4_0 and tid == Q4_0:
+                r8 = r0 + (r1 - r0) // 8 * 8
+                for r in range(r0, r8, 8):  # eight rows at a time: the same sums (rows8)
+                    rows8_q4_0(w, U(r) * rb, rb, a32[0], a32[1], a32[2], b32, n32, out, oo + U(r))
+                for r in range(r8, r1):
+                    out[oo + r] = _row_q4_0(w[r], a32[0], a32[1], a32[2], t, n32)
+            elif has_q5_1 and tid == Q5_1:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot1_q5_1(w, U(r) * rb, a32[0], xo, U(0), a32[1], a32[3], b32, n32)
+            elif has_q5_k and tid == Q5_K:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q5_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
+            elif has_q6_k and tid == Q6_K:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
+            elif has_q3_k and tid == Q3_K:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q3_k(w, U(r) * rb, ak[0], xo, ak[1], bk, nk)
+            elif has_q2_k and tid == Q2_K:
+                for r in range(r0, r1):
+                    out[oo + r] = rowdot_q2_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
+            elif has_q4_k and tid == Q4_K:
+                r8 = r0 + (r1 - r0) // 8 * 8
+                for r in range(r0, r8, 8):
+                    rows8_q4_k(w, U(r) * rb, rb, ak[0], ak[1], ak[2], bk, nk, out, oo + U(r))
+                for r in range(r8, r1):
+                    out[oo + r] = _row_q4_k(w[r], ak[0], ak[1], ak[2], t, nk, False)
+
+    return rows
+
+
+def _quantize(mask, x, a32, ak, need32, needk):
     """The rows of x (n_tok, n) into the activation buffers, row t at t n values (t n / 32 and
-    t n / 256 blocks)."""
-    n = x.shape[1]
-    for t in range(x.shape[0]):
-        o = t * n
-        if need32:
-            quantize_q8_32(x[t], a32[0][o:o + n], a32[1][o // 32:(o + n) // 32], a32[2][o // 32:(o + n) // 32],
-                           a32[3][o // 32:(o + n) // 32])
-        if needk:
-            quantize_q8_k(x[t], ak[0][o:o + n], ak[1][o // 256:(o + n) // 256], ak[2][o // 16:(o + n) // 16], ak[3])
+    t n / 256 blocks): the Q8_0 / Q8_1 form if need32, the Q8_K form if needk — each compiled only
+    when a type of `mask` takes it. Compiled only inside decode_block (the overload below)."""
+    raise NotImplementedError("called from decode_block's compiled code only")
+
+
+@overload(_quantize, jit_options={"nogil": True})
+def _quantize_overload(mask, x, a32, ak, need32, needk):
+    present = _present(mask)
+    any32, anyk = bool(present - K_TYPES), bool(present & K_TYPES)
+
+    def quantize(mask, x, a32, ak, need32, needk):
+        n = x.shape[1]
+        for t in range(x.shape[0]):
+            o = t * n
+            if any32 and need32:
+                quantize_q8_32(x[t], a32[0][o:o + n], a32[1][o // 32:(o + n) // 32], a32[2][o // 32:(o + n) // 32],
+                               a32[3][o // 32:(o + n) // 32])
+            if anyk and needk:
+                quantize_q8_k(x[t], ak[0][o:o + n], ak[1][o // 256:(o + n) // 256], ak[2][o // 16:(o + n) // 16],
+                              ak[3])
+
+    return quantize
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
                  attn_norm, post_attn_norm, ffn_norm, post_ffw_norm, q_norm, k_norm, bq, bk, bv,
-                 wq, wk, wv, wo, wg, wu, wd, tids,
+                 wq, wk, wv, wo, wg, wu, wd, tids, mask,
                  eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, kmap, kbeg, kend, window, scale,
                  gelu, gelu_table, q_scale):
     """n decode tokens (each of its own sequence) through one block, in place on x (n, n_embd).
     q (n, n_head, hd), k / v (n, n_kv, hd), att (n, n_head * hd_v), o / h (n, n_embd), gate / up
     (n, n_ff): scratch. a32 / ak: activation buffers (q8_32 and q8_k parts) for n rows of the
-    widest input. tids: the types of wq, wk, wv, wo, wg, wu, wd. Norms and biases of size 0 are
+    widest input. tids: the types of wq, wk, wv, wo, wg, wu, wd; mask: type_mask of them. Norms and biases of size 0 are
     absent. Token t's K and V go to cache slot slots[t]; it attends to the slots
     kmap[kbeg[t]:kend[t]]. Every token gets what it gets through this block alone, bit for bit
     (the one-token kernels and order); the weights are read once for the n. Returns nothing."""
@@ -127,31 +177,31 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     rms_norm(x, attn_norm, eps, h)
     need32 = not (_is_k(tids[0]) and _is_k(tids[1]) and _is_k(tids[2]))
     needk = _is_k(tids[0]) or _is_k(tids[1]) or _is_k(tids[2])
-    _quantize(h, a32, ak, need32, needk)
+    _quantize(mask, h, a32, ak, need32, needk)
     n_in_qkv = n_embd
     qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
     cq, ck, cv = (wq.shape[0] + CHUNK - 1) // CHUNK, (wk.shape[0] + CHUNK - 1) // CHUNK, (wv.shape[0] + CHUNK - 1) // CHUNK
     for c in prange(cq + ck + cv):
         if c < cq:
-            _rows(tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
+            _rows(mask, tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
         elif c < cq + ck:
-            _rows(tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
+            _rows(mask, tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
         else:
-            _rows(tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
+            _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
     prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, q_scale)
     attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, att, kc[0, 0, 0])
     # output projection, residual, ffn norm
     n_att = att.shape[1]
-    _quantize(att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
+    _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
     n_in_o = n_att
     of = o.reshape(-1)
     for c in prange((wo.shape[0] + CHUNK - 1) // CHUNK):
-        _rows(tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
+        _rows(mask, tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
     add_rms_norm(x, o, post_attn_norm, ffn_norm, eps, h)
     # gated FFN
     need32 = not (_is_k(tids[4]) and _is_k(tids[5]))
     needk = _is_k(tids[4]) or _is_k(tids[5])
-    _quantize(h, a32, ak, need32, needk)
+    _quantize(mask, h, a32, ak, need32, needk)
     n_in_ffn = n_embd
     gf, uf = gate.reshape(-1), up.reshape(-1)
     n_ff = wg.shape[0]
@@ -159,8 +209,8 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
     # gate and up rows of a chunk, then the chunk's activation, in one parallel loop (the
     # activation was a serial loop over n_ff after it)
     for c in prange((n_ff + CHUNK - 1) // CHUNK):
-        _rows(tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
-        _rows(tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
+        _rows(mask, tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
+        _rows(mask, tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
         for t in range(n_tok):
             for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n_ff)):
                 j = t * n_ff + i
@@ -170,9 +220,9 @@ def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
                 else:
                     e = expf_ggml(-g) if i < n8 else np.exp(-g)
                     gf[j] = g / (F32(1.0) + e) * uf[j]
-    _quantize(gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
+    _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
     n_in_down = n_ff
     for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
-        _rows(tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
+        _rows(mask, tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
     add_rms_norm(x, o, post_ffw_norm, post_ffw_norm[:0], eps, x)
 
