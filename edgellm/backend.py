@@ -119,7 +119,7 @@ class Backend(ABC):
 
     device: str = "cpu"  # "cpu" | "gpu": the key of this backend in the runtime's and the ledger's maps
     # decode_block(L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu, q_scale)
-    #   -> bool: decode tokens of up to 7 sequences (one each) through a whole block (x (n, n_embd) in
+    #   -> bool: decode tokens of up to ALONE_MAX sequences (one each) through a whole block (x (n, n_embd) in
     #   place, s the decoder's scratch) in one call, each with the bits it gets alone; False, having
     #   done nothing, when it cannot take this block. None: not offered (the decoder runs the block
     #   op by op).

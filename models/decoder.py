@@ -22,10 +22,12 @@ BIASES = ("attn_q", "attn_k", "attn_v")
 # than 8 tokens take the one-token order, so the last chunk is never shorter than 8 (FFN_TAIL_MIN).
 FFN_CHUNK = 128
 FFN_TAIL_MIN = 8
-# A step of up to ALONE_MAX decode tokens (one per sequence) runs through the fused decode block
-# (each token with the one-token kernels and order: the bits it gets decoded alone; the weights
-# read once for all of them); from 8 the batch products win.
-ALONE_MAX = 7
+# A step of up to ALONE_MAX decode tokens (one per sequence) is offered to the backend's fused decode
+# block (each token with the one-token kernels and order: the bits it gets decoded alone; the weights
+# read once for all of them). The backend may decline some sizes: CPUBackend takes up to 16 tokens
+# of a block of legacy types but only 7 of one with K-quants, whose batch products (tiled, 8+ tokens)
+# are faster from 8 on (kernels/cpu/fused.py MAX_TOKENS).
+ALONE_MAX = 16
 # Scratch buffer sets kept per backend besides the one-token set: a step of many sequences has
 # its batch size and the number of rows that reach the output head.
 SCRATCH_SIZES = 3

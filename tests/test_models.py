@@ -255,6 +255,34 @@ def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(syntheti
     np.testing.assert_array_equal(together, np.stack(alone))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0])
+def test_twelve_decode_tokens_of_legacy_types_go_through_the_fused_block_bit_for_bit(synthetic, qtype):
+    """A block of legacy types takes up to 16 decode tokens in one fused call (its row kernels beat
+    the batch products there); each of 12 sequences gets the logits it gets alone."""
+    path = synthetic("llama", qtype)
+    prompts = [TOKENS[i:i + 2 + i % 3] for i in range(12)]
+    cpu = CPUBackend()
+    rt = runtime(path, {"cpu": cpu}, n_ctx=256, n_batch=16)
+    alone = []
+    for p in prompts:
+        seq = rt.cache.new_sequence()
+        assert seq.grow(len(p) + 1)
+        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+        alone.append(rt.forward([(seq, np.array([5]))], rows=[0])[0])
+        seq.free()
+    seqs = [rt.cache.new_sequence() for _ in prompts]
+    for seq, p in zip(seqs, prompts):
+        assert seq.grow(len(p) + 1)
+        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+    calls = []
+    real = cpu.fused_ops.decode_block
+    cpu._fused_ops = type("Spy", (), {"decode_block": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a)),
+                                      "ROW_TYPES": cpu.fused_ops.ROW_TYPES})()
+    together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=list(range(12)))
+    assert calls == [12] * SHAPE["n_layer"]
+    np.testing.assert_array_equal(together, np.stack(alone))
+
+
 def test_decode_block_is_compiled_per_family_of_row_types():
     """type_mask: which row kernels a block's decode_block variant holds (legacy, K-quant or both)."""
     import numba
@@ -266,3 +294,4 @@ def test_decode_block_is_compiled_per_family_of_row_types():
                                  ({T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K}, (0, 0), legacy | k)]:
         assert fused.type_mask(types) == mask
         assert fused._present(numba.typeof(mask)) == present
+        assert fused.max_tokens(types) == (7 if types & k else 16)

@@ -375,9 +375,9 @@ class CPUBackend(NumpyBackend):
         plan = self._fused.get(id(L))
         if plan is None:
             plan = self._fused[id(L)] = self._fused_plan(L, kv)
-        if plan is False:
-            return False
         n = x.shape[0]
+        if plan is False or n > plan[5]:
+            return False
         kc, vc = kv.kernel_arrays()
         checked = plan[3]  # id(scratch) -> (scratch, cache shapes, x shape) the block was checked against
         seen = checked.get(id(s))
@@ -394,7 +394,7 @@ class CPUBackend(NumpyBackend):
             kv.n_used = max(kv.n_used, int(slots.max()) + 1)
         kmap, kbeg, kend, _, _ = attention_layout(kv, n)
         n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
-        weights, norms, tids, _, mask = plan
+        weights, norms, tids, _, mask, _ = plan
         self.fused_ops.decode_block(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
             s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
@@ -417,7 +417,8 @@ class CPUBackend(NumpyBackend):
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
         tids = np.array([m.ggml_type for m in mats], dtype=np.int64)
-        return weights, norms, tids, {}, fused.type_mask({m.ggml_type for m in mats})
+        types = {m.ggml_type for m in mats}
+        return weights, norms, tids, {}, fused.type_mask(types), fused.max_tokens(types)
 
     def _fused_activations(self, n: int):
         """(q8_32 parts, q8_k parts) buffers for inputs of up to n values, kept per backend."""

@@ -8,7 +8,8 @@ gate/up rows with the activation, the down projection. The arithmetic is the unf
 row dot products in ggml's order, the same norm / RoPE / attention / activation code), so the
 results are identical bit for bit (tests/test_models.py holds them together).
 
-A step may hold one decode token of each of up to 7 sequences (models/decoder.py ALONE_MAX): they
+A step may hold one decode token of each of up to MAX_TOKENS sequences (16 for a block of legacy
+types, 7 with K-quants: see MAX_TOKENS; models/decoder.py ALONE_MAX): they
 go through the block in the same call, each row kernel taking its chunk of rows once for all of
 them (the rows stay in the cache for the tokens after the first), each token with the one-token
 kernels and order — the bits it gets decoded alone — and its own key list in the attention.
@@ -60,6 +61,15 @@ def _present(mask) -> frozenset:
 def _is_k(tid):
     """The type takes its activations in Q8_K form (the others: Q8_0 / Q8_1, "q8_32")."""
     return tid == Q2_K or tid == Q3_K or tid == Q4_K or tid == Q5_K or tid == Q6_K
+
+
+def max_tokens(types) -> int:
+    """How many decode tokens (of different sequences) a block of `types` takes through
+    decode_block: measured on SmolLM2 (Q4_1) and Gemma-3 (Q4_K_M) with `edgellm bench --parallel`
+    (2 threads, S_TG t/s, fused / the batch products): SmolLM2 npl 8 176 / 119, npl 16 172 / 149;
+    Gemma-3 npl 8 93-99 / 106, npl 16 97-102 / 119. The K-quants' batch products (tiled, from 8
+    tokens on) beat the one-token row kernels there; the legacy types' do not."""
+    return 7 if any(int(t) in K_TYPES for t in types) else 16
 
 
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
