@@ -112,7 +112,7 @@ def quality(base: str | Path, types=DEFAULT_TYPES, *, text: str | None = None, n
         chunks, _ = prepare_chunks(bm, text, n_ctx, n_chunks)
         stored = []  # per chunk: the base's 16-bit log-probs, on disk
         for i, chunk in enumerate(chunks):
-            b = BaseLogProbs.from_logits(scored_logits(bm, chunk))
+            b = BaseLogProbs.from_logits(scored_logits(bm, chunk), bm.threads)
             q = np.lib.format.open_memmap(work / f"base{i}.npy", mode="w+", dtype=np.uint16, shape=b.q.shape)
             q[:] = b.q
             q.flush()
