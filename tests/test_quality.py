@@ -18,8 +18,14 @@ def base(tmp_path_factory):
     return quant_cases.write_model("gemma3_f16", tmp_path_factory.mktemp("quality"))
 
 
-def test_quality_report(base):
+def test_quality_report(base, monkeypatch):
+    from edgellm.quality import perplexity as px
+
+    runs = []
+    scored = px.scored_logits
+    monkeypatch.setattr(px, "scored_logits", lambda model, chunk: runs.append(1) or scored(model, chunk))
     rep = report.quality(base, ["Q2_K", "Q8_0", "Q4_K_M"], n_ctx=128, n_chunks=2, max_kl=1e-7)
+    assert len(runs) == 4 * 2  # each chunk through each model once: the base's KL data from its own PPL run
     assert [r.type for r in rep.rows] == ["Q2_K", "Q4_K_M", "Q8_0", "F16 (base)"]  # by size, base last
     q2, q4, q8, b = rep.rows
     assert q2.file_bytes < q4.file_bytes < q8.file_bytes < b.file_bytes

@@ -246,8 +246,10 @@ def scored_logits(model, chunk: np.ndarray) -> np.ndarray:
 
 
 def score(model, chunks: np.ndarray, base: Callable[[int, np.ndarray], BaseLogProbs] | None = None,
-          progress: Callable[[int, int, float], None] | None = None, n_text_tokens: int = 0) -> PerplexityResult:
-    """Run `model` over every chunk; `base(i, chunk)` gives the base's stored log-probs for KL."""
+          progress: Callable[[int, int, float], None] | None = None, n_text_tokens: int = 0,
+          on_logits: Callable[[int, np.ndarray], None] | None = None) -> PerplexityResult:
+    """Run `model` over every chunk; `base(i, chunk)` gives the base's stored log-probs for KL;
+    `on_logits(i, logits)` sees each chunk's scored logits (quality keeps the base's from them)."""
     n_chunks, n_ctx = chunks.shape
     first = n_ctx // 2
     threads = getattr(model, "threads", 1)  # the log-softmax rows run on the model's threads too
@@ -259,6 +261,8 @@ def score(model, chunks: np.ndarray, base: Callable[[int, np.ndarray], BaseLogPr
         t1 = time.perf_counter()
         logits = scored_logits(model, chunk)
         t_model += time.perf_counter() - t1
+        if on_logits is not None:
+            on_logits(i, logits)
         if base is not None:
             rows = kl_rows(logits, targets, base(i, chunk), threads)
             acc.append(rows)
