@@ -162,6 +162,17 @@ class StringArray(Sequence):
         self._offsets.frombytes(np.cumsum(n).tobytes())
         return self
 
+    def records(self) -> bytes:
+        """GGUF's records (u64 little-endian length + bytes) laid end to end: from_records' input."""
+        off = np.frombuffer(self._offsets, dtype=np.int64)
+        n = np.diff(off)
+        out = np.empty(len(self._blob) + 8 * len(n), dtype=np.uint8)
+        heads = off[:-1] + 8 * np.arange(len(n))  # where record i starts
+        out[(heads[:, None] + np.arange(8)).ravel()] = n.astype("<u8").view(np.uint8)
+        owner = np.repeat(np.arange(len(n)), n)  # the string each blob byte belongs to
+        out[np.arange(len(self._blob)) + 8 * (owner + 1)] = np.frombuffer(self._blob, dtype=np.uint8)
+        return out.tobytes()
+
     def __len__(self) -> int:
         return len(self._offsets) - 1
 

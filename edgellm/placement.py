@@ -9,6 +9,7 @@ def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vr
               kv_size: int | None = None):
     from edgellm.memory import detect_budgets
     from edgellm.planner import WeightSizes, plan
+    from edgellm.quality.store import measured_types
 
     wants_gpu = gpu_layers not in (0, "0")
     if wants_gpu and gpu_layers != "auto" and vram is None:
@@ -20,8 +21,7 @@ def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vr
     budgets = detect_budgets(vram=vram, ram=ram)
     sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
     return plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, kv_size=kv_size,
-                gpu_layers=gpu_layers,
-                budgets=budgets, check=True)
+                gpu_layers=gpu_layers, budgets=budgets, check=True, measured=measured_types(gf))
 
 
 def measured_memory(model) -> dict[str, dict[str, int]]:

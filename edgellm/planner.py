@@ -22,7 +22,7 @@ the planner charges exactly the pool's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from edgellm.errors import InvalidArgumentError, PlanError
 from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes_per_token, layer_window, pool_blocks
@@ -344,8 +344,9 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
 
 def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: int = 1, kv_type: str = "f16",
          gpu_layers: int | str = 0, budgets: Budgets, check: bool = True, kv_size: int | None = None,
-         costs: RuntimeCosts = RuntimeCosts()) -> Plan:
+         costs: RuntimeCosts = RuntimeCosts(), measured: Sequence[MeasuredType] = ()) -> Plan:
     """Place the layers and account for every byte. `gpu_layers`: 0 | N | -1 (all) | "auto".
+    `measured`: this model's quant types from a quality report, for the "smaller type" remedy.
 
     "auto": the output head first, then as many of the last blocks as fit the GPU budget with the
     margin. An explicit N that does not fit, or any plan whose CPU side does not fit, raises PlanError
@@ -378,7 +379,7 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
     layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
     result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape))
     if not result.fits:
-        result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs)))
+        result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs, measured)))
         if check:
             raise PlanError(_refusal(result))
     return result
@@ -416,10 +417,42 @@ SMALLER_TYPES = (
 )
 
 
+@dataclass(frozen=True)
+class MeasuredType:
+    """A quant type of this model as `edgellm quality` measured it (edgellm.quality.store reads them)."""
+
+    name: str  # llama.cpp's file type name, e.g. Q4_K_M
+    bits_per_weight: float  # of this model's file in that type (a Q8_0 embedding keeps Gemma's Q4_K_M at 7.4)
+    kl_mean: float  # mean KL divergence against the base
+    same_top: float  # fraction of positions whose argmax is the base's
+    base: str  # the type measured against, e.g. F16
+    source: str = ""  # the report's path
+
+
+def _smaller_type(sizes: WeightSizes, fits, measured: Sequence[MeasuredType]) -> str | None:
+    """The "use a smaller type" remedy: among measured types that fit, the one closest to the base
+    (lowest mean KL); without a report (or none of its types fitting), the largest generic type that
+    fits, its size estimated from typical bits per weight (a measured type is not estimated again)."""
+    bpw = sizes.bits_per_weight
+    for m in sorted(measured, key=lambda m: (m.kl_mean, -m.bits_per_weight)):
+        smaller = sizes.scaled(m.bits_per_weight / bpw)
+        if m.bits_per_weight < 0.97 * bpw and fits(sizes=smaller):
+            return (f"a {m.name} file of this model ({m.bits_per_weight:.2f} bits/weight, measured mean KL "
+                    f"{m.kl_mean:.4f} and top-1 agreement {100 * m.same_top:.1f} % vs {m.base}): weights "
+                    f"{format_size(sizes.total)} -> about {format_size(smaller.total)}")
+    for name, type_bpw in SMALLER_TYPES:
+        smaller = sizes.scaled(type_bpw / bpw)
+        if type_bpw < 0.97 * bpw and name not in {m.name for m in measured} and fits(sizes=smaller):
+            return (f"a {name} file of this model ({type_bpw:g} bits/weight): weights "
+                    f"{format_size(sizes.total)} -> about {format_size(smaller.total)}")
+    return None
+
+
 def remedies(config, sizes: WeightSizes, p: Plan, budgets: Budgets,
-             costs: RuntimeCosts = RuntimeCosts()) -> list[str]:
+             costs: RuntimeCosts = RuntimeCosts(), measured: Sequence[MeasuredType] = ()) -> list[str]:
     """What would make `p` fit, in the order of the design's remedies: KV (KV type, context,
-    sequences), then a smaller quant type, then the GPU layer count. Each is tried alone from `p`."""
+    sequences), then a smaller quant type (a measured one when `measured` has one that fits), then
+    the GPU layer count. Each is tried alone from `p`."""
     s = p.shape
 
     def fits(sizes=sizes, n_gpu=p.n_gpu_layers, output_device=p.output_device, shape=s) -> bool:
@@ -441,13 +474,9 @@ def remedies(config, sizes: WeightSizes, p: Plan, budgets: Budgets,
     if n_seq:
         out.append(f"--seqs {n_seq}: {kv(replace(s, n_seq=n_seq))}")
 
-    bpw = sizes.bits_per_weight
-    for name, type_bpw in SMALLER_TYPES:
-        smaller = sizes.scaled(type_bpw / bpw)
-        if type_bpw < 0.97 * bpw and fits(sizes=smaller):
-            out.append(f"a {name} file of this model ({type_bpw:g} bits/weight): weights "
-                       f"{format_size(sizes.total)} -> about {format_size(smaller.total)}")
-            break
+    quant = _smaller_type(sizes, fits, measured)
+    if quant:
+        out.append(quant)
 
     if not p.gpu.fits:  # fewer blocks on the GPU; the head leaves it last
         for n in range(p.n_gpu_layers - 1, -1, -1):

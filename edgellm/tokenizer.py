@@ -337,16 +337,20 @@ class Tokenizer:
 
     # --- tokenize ------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
-                 limit: int | None = None) -> list[int]:
+                 limit: int | None = None, stop_after: int | None = None) -> list[int]:
         """Token ids of `text`, as llama.cpp's llama_tokenize(text, add_special, parse_special).
 
         limit: raise ContextFullError as soon as the text is certain to give more than `limit`
         ids, so that a huge text costs little (see _surely_longer: most are not tokenized at
         all); the others stop at the first 1024 words (BPE) or piece of ~SPM_PIECE characters
         (SPM, cut where no token can span the cut) past the limit. The ids of a text within the
-        limit are the same as without one."""
+        limit are the same as without one.
+        stop_after: return as soon as at least that many ids are made, at the same cuts: the
+        ids returned are the first ids of the whole text (no EOS then; perplexity's chunks of a
+        long text need only its beginning)."""
         text = _valid_unicode(text)
         stop = _NO_LIMIT if limit is None else limit
+        enough = _NO_LIMIT if stop_after is None else stop_after
         if len(text) > stop and self._surely_longer(text, stop):
             raise ContextFullError(f"the text is more than {limit} tokens ({len(text)} characters)")
         out: list[int] = []
@@ -363,10 +367,13 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", SPACE_ESCAPE)
-                for piece in (self._spm_pieces(frag) if limit is not None else (frag,)):
+                pieces = self._spm_pieces(frag) if limit is not None or stop_after is not None else (frag,)
+                for piece in pieces:
                     self._spm(piece, out)
                     if len(out) > stop:
                         raise ContextFullError(f"the text is more than {limit} tokens")
+                    if len(out) >= enough:
+                        return out
                 prev_special = False
         else:
             for frag in fragments:
@@ -385,6 +392,8 @@ class Tokenizer:
                         out.extend(ids)
                     if len(out) > stop:
                         raise ContextFullError(f"the text is more than {limit} tokens")
+                    if len(out) >= enough:
+                        return out
         if add_special and self.add_eos:
             out.append(self.eos_id)
         if len(out) > stop:

@@ -104,3 +104,33 @@ def test_smollm2_kl_matches_llama_perplexity(smollm2_path, tmp_path):
     for key, got in (("kl_mean", k.mean), ("kl_median", k.median), ("kl_p99", k.p99), ("kl_max", k.max)):
         assert round(got, 6) == pytest.approx(want[key], abs=2e-6), key
     assert round(k.same_top, 5) == pytest.approx(want["same_top"], abs=2e-5)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2_path", "gemma3_path"])
+def test_first_tokens_of_a_long_text(name, request):
+    """tokenize(stop_after=n): at least n ids, and they are the whole text's first ids (SPM cut where
+    no token spans the cut, BPE between words), so --chunks N tokenizes only what N chunks need."""
+    from edgellm.gguf_file import GGUFFile
+    from edgellm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile(request.getfixturevalue(name)).metadata)
+    text = px.default_text()[:150_000]
+    whole = tok.tokenize(text)
+    assert len(whole) > 30_000
+    for n in (1, 700, 5_000, 29_000):
+        first = tok.tokenize(text, stop_after=n)
+        assert n <= len(first) < len(whole) and first == whole[: len(first)], n
+    assert tok.tokenize(text, stop_after=len(whole) + 1) == whole  # more than the text has: all of it
+
+
+def test_threads_give_the_same_numbers(logits):
+    """The log-softmax rows split over threads: the same bits as one thread."""
+    lg, tgt = logits
+    lg, tgt = np.repeat(lg, 3, axis=0), np.repeat(tgt, 3)  # 120 rows: several steps per thread
+    assert np.array_equal(px.nll_rows(lg, tgt, threads=3), px.nll_rows(lg, tgt))
+    base = px.BaseLogProbs.from_logits(lg[:, ::-1].copy())
+    threaded = px.BaseLogProbs.from_logits(lg[:, ::-1].copy(), threads=4)
+    assert all(np.array_equal(getattr(base, k), getattr(threaded, k)) for k in ("scale", "min_log_prob", "q"))
+    a, b = px.kl_rows(lg, tgt, base), px.kl_rows(lg, tgt, base, threads=2)
+    assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -178,6 +178,30 @@ def test_smaller_quant_type_is_suggested_when_weights_are_the_problem(sparse_mod
     assert quant and quant[0].startswith("a Q8_0 file")  # the largest type that fits comes first
 
 
+def test_smaller_type_from_a_quality_report(sparse_models):
+    """With measured types: the one closest to the base (lowest KL) among those that fit, its size
+    from its measured bits per weight; none fitting: the generic table's advice."""
+    from edgellm.planner import MeasuredType
+
+    cfg, sizes = facts(sparse_models["7b", "F16"])
+    measured = (MeasuredType("Q8_0", 8.6, 0.0021, 0.97, "F16"), MeasuredType("Q5_K_M", 5.9, 0.0123, 0.93, "F16"),
+                MeasuredType("Q4_K_M", 4.9, 0.0110, 0.92, "F16"), MeasuredType("Q2_K", 3.0, 0.31, 0.70, "F16"))
+
+    def advice(gib):
+        p = plan(cfg, sizes, n_ctx=512, budgets=Budgets(cpu=int(gib * GiB), gpu=0), check=False, measured=measured)
+        return [r for r in p.remedies if r.startswith("a ")]
+
+    assert advice(10)[0].startswith("a Q8_0 file of this model (8.60 bits/weight, measured mean KL 0.0021 and "
+                                    "top-1 agreement 97.0 % vs F16): weights 12.55 GiB -> about 6.75 GiB")
+    # Q8_0 no longer fits; Q4_K_M measured closer to the base than the larger Q5_K_M: it is named
+    assert advice(6)[0].startswith("a Q4_K_M file of this model (4.90 bits/weight, measured mean KL 0.0110")
+    assert advice(3.5)[0].startswith("a Q2_K file of this model (3.00 bits/weight, measured mean KL 0.3100")
+    # nothing measured fits, and the measured Q2_K (3.0) is not estimated again at the generic 2.625
+    assert advice(3.0) == []
+    measured = measured[:3]  # without a measured Q2_K: the generic estimate
+    assert advice(3.0)[0].startswith("a Q2_K file of this model (2.625 bits/weight): weights 12.55 GiB -> about")
+
+
 def test_auto_with_no_gpu_is_zero_layers_with_a_reason(sparse_models):
     cfg, sizes = facts(sparse_models["7b", "Q4_K"])
     p = plan(cfg, sizes, n_ctx=2048, gpu_layers="auto", budgets=Budgets(cpu=64 * GiB, gpu=0, gpu_source="no GPU"))

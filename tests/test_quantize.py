@@ -52,13 +52,51 @@ def test_numba_kernels_equal_numpy_reference(tname):
     assert np.array_equal(encode(T[tname], x), encode(T[tname], x, reference=True))
 
 
-def test_legacy_types_are_gguf_quants():
-    """Legacy types go through gguf's quants.quantize, unchanged."""
+@pytest.mark.parametrize("tname", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_legacy_numba_kernels_equal_gguf_quants(tname):
+    """The legacy types' Numba kernels give gguf's quants.quantize bytes (their reference), on every
+    input case, on scales from 1e-6 to 1e2, and on values that land on .5 after scaling (roundf ties)."""
     from gguf import quants
 
-    x = quant_cases.block_inputs()["heavy"]
-    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
-        assert np.array_equal(encode(t, x), quants.quantize(x, t))
+    rng = np.random.default_rng(5)
+    ties = np.tile(np.arange(-128, 128, dtype=np.float32) / 2, (4, 1))  # Q8_0: amax 64 -> x / d = k / 2 * 127 / 64
+    halves = np.tile(np.arange(-16, 16, dtype=np.float32) + 0.5, (4, 8))  # Q4_0 / Q5_0 codes near .5 steps
+    cases = [*quant_cases.block_inputs().values(), ties, halves,
+             (rng.standard_normal((32, 256)) * 10.0 ** rng.uniform(-6, 2, (32, 1))).astype(np.float32)]
+    t = T[tname]
+    for x in cases:
+        got = encode(t, x)
+        want = np.asarray(quants.quantize(x, t)).view(np.uint8).reshape(len(x), -1)
+        assert np.array_equal(got, want)
+        assert np.array_equal(got, encode(t, x, reference=True))
+
+
+def test_metadata_arrays_written_as_gguf_writes_them(tmp_path):
+    """quantize's writer packs NumPy and string arrays whole; the bytes are gguf's writer's."""
+    from gguf import GGUFValueType as V
+    from gguf import GGUFWriter
+
+    from edgellm.gguf_file import StringArray
+    from edgellm.quality.quantize import _Writer
+
+    strings = ["", "a", "\u2581the", "日本語", "<0x0A>", "x" * 300]
+    ints = np.arange(-3, 1000, dtype=np.int32)
+    floats = np.linspace(-1, 1, 77, dtype=np.float32)
+    bools = np.array([True, False, True])
+    paths = []
+    for cls, arrays in ((GGUFWriter, (strings, ints.tolist(), floats.tolist(), bools.tolist())),
+                        (_Writer, (StringArray(strings), ints, floats, bools))):
+        path = tmp_path / f"{cls.__name__}.gguf"
+        w = cls(path, "llama")
+        for key, value, sub in zip(("s", "i", "f", "b"), arrays, (V.STRING, V.INT32, V.FLOAT32, V.BOOL)):
+            w.add_key_value(key, value, V.ARRAY, sub_type=sub)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        paths.append(path)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert len(paths[0].read_bytes()) > 4 * 1003 + 8 * len(strings)
 
 
 # (RMS error / RMS weight) of a Gaussian tensor after a round trip: ggml's search sits well under

@@ -41,7 +41,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(r.to_dict(), indent=2))
         return 0
-    print(f"{r.n_chunks} chunks of {r.n_ctx} tokens ({r.n_scored} scored) from a {r.n_text_tokens}-token text, "
+    print(f"{r.n_chunks} chunks of {r.n_ctx} tokens ({r.n_scored} scored) from {r.n_text_tokens} tokens of text, "
           f"{r.seconds:.1f} s ({r.tokens_per_s:.1f} tokens/s)")
     print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")
     if r.kl is not None:

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.gguf_file import GGUFFile
     from edgellm.memory import detect_budgets
     from edgellm.planner import WeightSizes, plan
+    from edgellm.quality.store import measured_types
 
     gf = GGUFFile(resolve_model(args.model))
     config = ModelConfig.from_gguf(gf)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     budgets = detect_budgets(vram=args.vram, ram=args.ram)
     p = plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args),
              kv_size=args.kv_size,
-             gpu_layers=args.gpu_layers, budgets=budgets, check=False)
+             gpu_layers=args.gpu_layers, budgets=budgets, check=False, measured=measured_types(gf))
     if args.json:
         out = {"model": str(gf.path), "arch": config.arch, "n_layer": config.n_layer,
                "bits_per_weight": round(sizes.bits_per_weight, 3), **p.to_json()}

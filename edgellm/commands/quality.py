@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-requantize", action="store_true", help="accept a quantized BASE")
     p.add_argument("--plot", metavar="PNG", default=None, help="also draw size against KL (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-save", action="store_true",
+                   help="do not keep the report (by default it goes to the user cache, where `plan` reads it)")
 
 
 def run(args) -> int:
@@ -37,6 +39,15 @@ def run(args) -> int:
                          max_kl=args.max_kl, allow_requantize=args.allow_requantize, progress=say)
     if args.plot:
         report.plot(rep, args.plot)
+    if not args.no_save:
+        from edgellm.gguf_file import GGUFFile
+        from edgellm.quality import store
+
+        gf = GGUFFile(args.base)
+        path = store.save(rep, store.model_key(gf))
+        gf.close()
+        print(f"report kept in {path} (`edgellm plan` on this model or any of its quant types reads it)",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
         return 0

@@ -66,14 +66,31 @@ def _max_and_lse(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mx, np.log(s)
 
 
-def nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+def _each_step(n: int, fn: Callable[[slice], None], threads: int) -> None:
+    """fn(rows) for every ROWS_PER_STEP rows of n, on `threads` threads (NumPy lets go of the GIL
+    in its reductions); each step's arithmetic is the same whichever thread runs it."""
+    steps = [slice(r0, min(n, r0 + ROWS_PER_STEP)) for r0 in range(0, n, ROWS_PER_STEP)]
+    if threads <= 1 or len(steps) <= 1:
+        for sl in steps:
+            fn(sl)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(fn, steps))
+
+
+def nll_rows(logits: np.ndarray, targets: np.ndarray, threads: int = 1) -> np.ndarray:
     """(n, V) float32 logits, (n,) next tokens -> (n,) float64 negative log-likelihoods."""
     out = np.empty(len(targets), dtype=np.float64)
-    for r0 in range(0, len(targets), ROWS_PER_STEP):
-        lg = logits[r0 : r0 + ROWS_PER_STEP]
+
+    def step(sl: slice) -> None:
+        lg = logits[sl]
         mx, lse = _max_and_lse(lg)
-        tgt = lg[np.arange(len(lg)), targets[r0 : r0 + ROWS_PER_STEP]]
-        out[r0 : r0 + len(lg)] = -((tgt - mx).astype(np.float64) - lse)
+        tgt = lg[np.arange(len(lg)), targets[sl]]
+        out[sl] = -((tgt - mx).astype(np.float64) - lse)
+
+    _each_step(len(targets), step, threads)
     return out
 
 
@@ -87,34 +104,36 @@ class BaseLogProbs:
     q: np.ndarray  # (n, V) uint16
 
     @classmethod
-    def from_logits(cls, logits: np.ndarray) -> "BaseLogProbs":
+    def from_logits(cls, logits: np.ndarray, threads: int = 1) -> "BaseLogProbs":
         n, v = logits.shape
         scale = np.empty(n, np.float32)
         min_lp = np.empty(n, np.float32)
         q = np.empty((n, v), np.uint16)
-        for r0 in range(0, n, ROWS_PER_STEP):
-            lg = logits[r0 : r0 + ROWS_PER_STEP]
+
+        def step(sl: slice) -> None:
+            lg = logits[sl]
             mx, lse = _max_and_lse(lg)
             mn = np.maximum(lg.min(axis=1), mx - np.float32(16))
             lse32 = lse.astype(np.float32)
-            sl = slice(r0, r0 + len(lg))
             min_lp[sl] = (mn - mx) - lse32
             scale[sl] = (mx - mn) / np.float32(65535)
             with np.errstate(divide="ignore", invalid="ignore"):
                 inv = np.where(scale[sl] != 0, np.float32(1) / scale[sl], np.float32(0))
                 steps = np.rint(inv[:, None] * (lg - mn[:, None]))  # ggml's nearest_int: half to even
             q[sl] = np.where(lg > mn[:, None], steps, 0).astype(np.uint16)
+
+        _each_step(n, step, threads)
         return cls(scale, min_lp, q)
 
 
-def kl_rows(logits: np.ndarray, targets: np.ndarray, base: BaseLogProbs) -> dict[str, np.ndarray]:
+def kl_rows(logits: np.ndarray, targets: np.ndarray, base: BaseLogProbs, threads: int = 1) -> dict[str, np.ndarray]:
     """Per position: nll and nll_base (float32, as llama-perplexity keeps them), KL(base || model)
     (float64), same_top (bool), p_diff = p(target) - p_base(target) (float32)."""
     n = len(targets)
     out = {"nll": np.empty(n, np.float32), "nll_base": np.empty(n, np.float32), "kld": np.empty(n, np.float64),
            "same_top": np.empty(n, bool), "p_diff": np.empty(n, np.float32)}
-    for r0 in range(0, n, ROWS_PER_STEP):
-        sl = slice(r0, min(n, r0 + ROWS_PER_STEP))
+
+    def step(sl: slice) -> None:
         lg = logits[sl]
         rows = np.arange(len(lg))
         tgt = targets[sl]
@@ -130,6 +149,8 @@ def kl_rows(logits: np.ndarray, targets: np.ndarray, base: BaseLogProbs) -> dict
         out["same_top"][sl] = lg.argmax(axis=1) == p_log_base.argmax(axis=1)
         out["nll"][sl], out["nll_base"][sl] = nll, nll_base
         out["p_diff"][sl] = np.exp(-nll) - np.exp(-nll_base)
+
+    _each_step(n, step, threads)
     return out
 
 
@@ -194,7 +215,7 @@ class PerplexityResult:
     n_ctx: int
     n_chunks: int
     n_scored: int  # positions scored in all
-    n_text_tokens: int
+    n_text_tokens: int  # tokens of the text read (its first ones only when fewer chunks were asked for)
     seconds: float
     tokens_per_s: float  # tokens evaluated (all positions of every chunk) per second, model only
     chunk_ppl: list[float] = field(default_factory=list)  # running PPL after each chunk
@@ -210,7 +231,11 @@ def prepare_chunks(model, text: str | None, n_ctx: int, n_chunks: int | None) ->
     if n_ctx > model.n_ctx:
         raise InvalidArgumentError(f"-c {n_ctx} is larger than the model's loaded context ({model.n_ctx})")
     tok = model.tokenizer
-    tokens = model.tokenize(default_text() if text is None else text, add_special=True, parse_special=False)
+    # only the text's first tokens when fewer chunks than the text holds are asked for (the same
+    # ids as the whole text's first ones; a 465 K-character text takes seconds to tokenize)
+    enough = max(n_chunks, 2) * n_ctx if n_chunks is not None and n_chunks > 0 else None
+    tokens = tok.tokenize(default_text() if text is None else text, add_special=True, parse_special=False,
+                          stop_after=enough)
     return make_chunks(tokens, n_ctx, n_chunks, tok.bos_id if tok.add_bos else None), len(tokens)
 
 
@@ -221,10 +246,13 @@ def scored_logits(model, chunk: np.ndarray) -> np.ndarray:
 
 
 def score(model, chunks: np.ndarray, base: Callable[[int, np.ndarray], BaseLogProbs] | None = None,
-          progress: Callable[[int, int, float], None] | None = None, n_text_tokens: int = 0) -> PerplexityResult:
-    """Run `model` over every chunk; `base(i, chunk)` gives the base's stored log-probs for KL."""
+          progress: Callable[[int, int, float], None] | None = None, n_text_tokens: int = 0,
+          on_logits: Callable[[int, np.ndarray], None] | None = None) -> PerplexityResult:
+    """Run `model` over every chunk; `base(i, chunk)` gives the base's stored log-probs for KL;
+    `on_logits(i, logits)` sees each chunk's scored logits (quality keeps the base's from them)."""
     n_chunks, n_ctx = chunks.shape
     first = n_ctx // 2
+    threads = getattr(model, "threads", 1)  # the log-softmax rows run on the model's threads too
     nlls, acc, chunk_ppl = [], [], []
     t_model = 0.0
     t0 = time.perf_counter()
@@ -233,12 +261,14 @@ def score(model, chunks: np.ndarray, base: Callable[[int, np.ndarray], BaseLogPr
         t1 = time.perf_counter()
         logits = scored_logits(model, chunk)
         t_model += time.perf_counter() - t1
+        if on_logits is not None:
+            on_logits(i, logits)
         if base is not None:
-            rows = kl_rows(logits, targets, base(i, chunk))
+            rows = kl_rows(logits, targets, base(i, chunk), threads)
             acc.append(rows)
             nlls.append(rows["nll"].astype(np.float64))
         else:
-            nlls.append(nll_rows(logits, targets))
+            nlls.append(nll_rows(logits, targets, threads))
         all_nll = np.concatenate(nlls)
         chunk_ppl.append(float(np.exp(all_nll.sum() / len(all_nll))))
         if progress is not None:
@@ -262,5 +292,6 @@ def perplexity(model, text: str | None = None, *, n_ctx: int = 512, n_chunks: in
         raise InvalidArgumentError(f"the base model's vocabulary ({base.n_vocab}) differs from the model's "
                                    f"({model.n_vocab}); KL needs the same tokenizer")
     chunks, n_text = prepare_chunks(model, text, n_ctx, n_chunks)
-    base_fn = None if base is None else (lambda i, chunk: BaseLogProbs.from_logits(scored_logits(base, chunk)))
+    base_fn = None if base is None else (
+        lambda i, chunk: BaseLogProbs.from_logits(scored_logits(base, chunk), base.threads))
     return score(model, chunks, base_fn, progress, n_text)

@@ -9,6 +9,7 @@ float32 slab. The output goes to a temporary file renamed into place only when c
 from __future__ import annotations
 
 import os
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFValueType, GGUFWriter
+from gguf import GGUFEndian, GGUFValueType, GGUFWriter
 
 from edgellm.errors import EdgeLLMError, InvalidArgumentError, ModelNotFoundError
 from edgellm.quality import recipe
@@ -76,16 +77,21 @@ def to_float32(t: T, raw: np.ndarray, n_cols: int) -> np.ndarray:
 
 def encode(t: T, x: np.ndarray, reference: bool = False) -> np.ndarray:
     """float32 (n_rows, n_cols) -> uint8 (n_rows, row_bytes) in type t, ggml's reference bytes.
-    K-quants run the Numba kernels, or with `reference` their NumPy twins (same bytes, ~10x slower)."""
+    Block types run the Numba kernels, or with `reference` their NumPy twins (same bytes): K-quants
+    edgellm.quality.kquant, legacy types gguf's quants.quantize."""
     from gguf import quants
 
+    n_rows, n_cols = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
     if reference:
         from edgellm.quality.kquant import K_QUANTIZERS
     else:
         from edgellm.quality.kquant_numba import K_QUANTIZERS
+        from edgellm.quality.legacy_numba import LEGACY_QUANTIZERS
 
-    n_rows, n_cols = x.shape
-    x = np.ascontiguousarray(x, dtype=np.float32)
+        fn = LEGACY_QUANTIZERS.get(t.name)
+        if fn is not None:
+            return fn(x).reshape(n_rows, -1)
     fn = K_QUANTIZERS.get(t.name)
     if fn is not None:
         return fn(x.reshape(-1, QK_K)).reshape(n_rows, -1)
@@ -133,6 +139,25 @@ _NP_VALUE_TYPES = {
 }
 
 
+class _Writer(GGUFWriter):
+    """gguf's writer, with metadata arrays kept as the reader returns them (NumPy arrays,
+    StringArray) and packed whole: gguf packs arrays element by element in Python, 4 s for
+    Gemma-3's three 262144-entry vocabulary arrays. Same bytes (tests/test_quantize.py)."""
+
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None) -> bytes:
+        from edgellm.gguf_file import StringArray
+
+        fast = (vtype == GGUFValueType.ARRAY and isinstance(val, (np.ndarray, StringArray)) and len(val) > 0
+                and self.endianess == GGUFEndian.LITTLE)
+        if not fast:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<I", vtype) if add_vtype else b""
+        if isinstance(val, StringArray):
+            return head + struct.pack("<IQ", GGUFValueType.STRING, len(val)) + val.records()
+        etype = sub_type if sub_type is not None else _NP_VALUE_TYPES[val.dtype.newbyteorder("=")]
+        return head + struct.pack("<IQ", etype, len(val)) + val.astype(val.dtype.newbyteorder("<")).tobytes()
+
+
 def _copy_metadata(w: GGUFWriter, gf, file_type: int) -> None:
     """Every key in the source's order, with its type; then general.quantization_version and
     general.file_type last (llama.cpp's gguf_set_val_* removes a key and appends it)."""
@@ -147,11 +172,11 @@ def _copy_metadata(w: GGUFWriter, gf, file_type: int) -> None:
         elif len(value) == 0:  # the gguf writer cannot write an empty array
             continue
         elif isinstance(value, np.ndarray):
-            w.add_key_value(key, value.tolist(), vtype, sub_type=_NP_VALUE_TYPES[value.dtype.newbyteorder("=")])
+            w.add_key_value(key, value, vtype, sub_type=_NP_VALUE_TYPES[value.dtype.newbyteorder("=")])
         elif isinstance(value, list):  # arrays of arrays: rare; gguf infers the inner types
             w.add_key_value(key, value, vtype)
         else:  # StringArray
-            w.add_key_value(key, list(value), vtype, sub_type=GGUFValueType.STRING)
+            w.add_key_value(key, value, vtype, sub_type=GGUFValueType.STRING)
     if "general.alignment" in gf.metadata:
         w.add_custom_alignment(int(gf.metadata["general.alignment"]))
     w.add_key_value("general.quantization_version", GGML_QNT_VERSION, GGUFValueType.UINT32)
@@ -225,7 +250,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str = "Q4_K_M
     arch = str(gf.metadata.get("general.architecture", "llama"))
     tmp = dst.with_name(dst.name + ".part")
     results = []
-    w = GGUFWriter(tmp, arch)
+    w = _Writer(tmp, arch)
     try:
         _copy_metadata(w, gf, recipe.FILE_TYPES[file_type][0])
         for n in names:

@@ -70,10 +70,11 @@ def _speed(model, chunk: np.ndarray) -> tuple[float, float]:
     return ttft, tg
 
 
-def _measure(model, name: str, path: Path, bpw: float, chunks, base_fn, quantize_s: float) -> TypeReport:
+def _measure(model, name: str, path: Path, bpw: float, chunks, base_fn, quantize_s: float,
+             on_logits=None) -> TypeReport:
     from edgellm.quality.perplexity import score
 
-    r = score(model, chunks, base_fn)
+    r = score(model, chunks, base_fn, on_logits=on_logits)
     _speed(model, chunks[0])  # the first decode steps may still load kernels
     ttft, tg = _speed(model, chunks[0])
     cpu = model.memory().get("cpu", {})
@@ -89,7 +90,7 @@ def quality(base: str | Path, types=DEFAULT_TYPES, *, text: str | None = None, n
             allow_requantize: bool = False, progress: Callable[[str], None] | None = None) -> QualityReport:
     import edgellm
     from edgellm.gguf_file import GGUFFile
-    from edgellm.quality.perplexity import BaseLogProbs, prepare_chunks, scored_logits
+    from edgellm.quality.perplexity import BaseLogProbs, prepare_chunks
 
     say = progress or (lambda msg: None)
     types = [recipe.parse_type(t) for t in types]
@@ -111,14 +112,16 @@ def quality(base: str | Path, types=DEFAULT_TYPES, *, text: str | None = None, n
         bm = edgellm.load(base, n_ctx=n_ctx, threads=threads)
         chunks, _ = prepare_chunks(bm, text, n_ctx, n_chunks)
         stored = []  # per chunk: the base's 16-bit log-probs, on disk
-        for i, chunk in enumerate(chunks):
-            b = BaseLogProbs.from_logits(scored_logits(bm, chunk))
+
+        def keep(i: int, logits: np.ndarray) -> None:  # from the base's own scoring run: one pass
+            b = BaseLogProbs.from_logits(logits, bm.threads)
             q = np.lib.format.open_memmap(work / f"base{i}.npy", mode="w+", dtype=np.uint16, shape=b.q.shape)
             q[:] = b.q
             q.flush()
             stored.append(BaseLogProbs(b.scale, b.min_log_prob, q))
+
+        rows = [_measure(bm, f"{base_type} (base)", base, base_bpw, chunks, None, 0.0, on_logits=keep)]
         base_fn = lambda i, chunk: stored[i]  # noqa: E731
-        rows = [_measure(bm, f"{base_type} (base)", base, base_bpw, chunks, None, 0.0)]
         del bm
         for t in types:
             say(f"{t}: quantizing")
