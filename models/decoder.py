@@ -26,7 +26,7 @@ FFN_TAIL_MIN = 8
 # block (each token with the one-token kernels and order: the bits it gets decoded alone; the weights
 # read once for all of them). The backend may decline some sizes: CPUBackend takes up to 16 tokens
 # of a block of legacy types but only 7 of one with K-quants, whose batch products (tiled, 8+ tokens)
-# are faster from 8 on (kernels/cpu/fused.py MAX_TOKENS).
+# are faster from 8 on (kernels/cpu/fused.py max_tokens).
 ALONE_MAX = 16
 # Scratch buffer sets kept per backend besides the one-token set: a step of many sequences has
 # its batch size and the number of rows that reach the output head.

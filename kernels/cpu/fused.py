@@ -8,8 +8,8 @@ gate/up rows with the activation, the down projection. The arithmetic is the unf
 row dot products in ggml's order, the same norm / RoPE / attention / activation code), so the
 results are identical bit for bit (tests/test_models.py holds them together).
 
-A step may hold one decode token of each of up to MAX_TOKENS sequences (16 for a block of legacy
-types, 7 with K-quants: see MAX_TOKENS; models/decoder.py ALONE_MAX): they
+A step may hold one decode token of each of up to max_tokens(types) sequences (16 for a block of legacy
+types, 7 with K-quants; models/decoder.py ALONE_MAX): they
 go through the block in the same call, each row kernel taking its chunk of rows once for all of
 them (the rows stay in the cache for the tokens after the first), each token with the one-token
 kernels and order — the bits it gets decoded alone — and its own key list in the attention.
