@@ -240,6 +240,14 @@ def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(syntheti
     path = synthetic(arch, qtype)
     prompts = [TOKENS[:7], TOKENS[3:15], TOKENS[8:10]]
     rt = runtime(path, {"cpu": CPUBackend()}, n_ctx=64, n_batch=16)
+    alone, seqs = _alone_then_prefilled(rt, prompts)
+    together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=[0, 1, 2])
+    np.testing.assert_array_equal(together, np.stack(alone))
+
+
+def _alone_then_prefilled(rt, prompts):
+    """(each prompt's next-token logits decoded alone, then one sequence per prompt prefilled and
+    waiting for that decode step)."""
     alone = []
     for p in prompts:
         seq = rt.cache.new_sequence()
@@ -251,8 +259,7 @@ def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(syntheti
     for seq, p in zip(seqs, prompts):
         assert seq.grow(len(p) + 1)
         rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
-    together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=[0, 1, 2])
-    np.testing.assert_array_equal(together, np.stack(alone))
+    return alone, seqs
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0])
@@ -263,17 +270,7 @@ def test_twelve_decode_tokens_of_legacy_types_go_through_the_fused_block_bit_for
     prompts = [TOKENS[i:i + 2 + i % 3] for i in range(12)]
     cpu = CPUBackend()
     rt = runtime(path, {"cpu": cpu}, n_ctx=256, n_batch=16)
-    alone = []
-    for p in prompts:
-        seq = rt.cache.new_sequence()
-        assert seq.grow(len(p) + 1)
-        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
-        alone.append(rt.forward([(seq, np.array([5]))], rows=[0])[0])
-        seq.free()
-    seqs = [rt.cache.new_sequence() for _ in prompts]
-    for seq, p in zip(seqs, prompts):
-        assert seq.grow(len(p) + 1)
-        rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+    alone, seqs = _alone_then_prefilled(rt, prompts)
     calls = []
     real = cpu.fused_ops.decode_block
     cpu._fused_ops = type("Spy", (), {"decode_block": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a)),

@@ -436,16 +436,18 @@ def quantize_q6_k(xs, out):
                                                | ((L[j + 96] >> 4) << 6))
 
 
-_KERNELS = {"Q2_K": (quantize_q2_k, 84), "Q3_K": (quantize_q3_k, 110), "Q4_K": (quantize_q4_k, 144),
-            "Q5_K": (quantize_q5_k, 176), "Q6_K": (quantize_q6_k, 210)}
+def block_quantizer(name: str, kernel):
+    """quantize(x) -> uint8 (n_blocks, type_size) for a Numba block kernel(xs, out) of type `name`
+    (block and byte sizes from edgellm.quants' registry); shared with legacy_numba."""
+    from gguf import GGMLQuantizationType
 
+    from edgellm.quants import QUANT_TYPES
 
-def _entry(name):
-    kernel, type_size = _KERNELS[name]
+    qt = QUANT_TYPES[GGMLQuantizationType[name]]
 
     def quantize(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
-        out = np.empty((x.shape[0], type_size), dtype=np.uint8)
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, qt.block_size)
+        out = np.empty((x.shape[0], qt.type_size), dtype=np.uint8)
         kernel(x, out)
         return out
 
@@ -453,4 +455,6 @@ def _entry(name):
     return quantize
 
 
-K_QUANTIZERS = {name: _entry(name) for name in _KERNELS}
+K_QUANTIZERS = {name: block_quantizer(name, kernel) for name, kernel in (
+    ("Q2_K", quantize_q2_k), ("Q3_K", quantize_q3_k), ("Q4_K", quantize_q4_k), ("Q5_K", quantize_q5_k),
+    ("Q6_K", quantize_q6_k))}

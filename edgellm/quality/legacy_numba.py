@@ -15,6 +15,7 @@ import numpy as np
 
 from edgellm.kernels import cpu as _cpu  # noqa: F401  (sets Numba's cache dir before compiling)
 from edgellm.kernels.cpu.common import f32_to_f16_bits, njit
+from edgellm.quality.kquant_numba import block_quantizer
 
 F = np.float32
 JIT = dict(cache=True, nogil=True)
@@ -148,23 +149,6 @@ def quantize_q8_0(xs, out):
             o[2 + j] = np.uint8((-q if v < F(0) else q) & 0xFF)
 
 
-# block sizes as the sum of their fields
-_KERNELS = {"Q4_0": (quantize_q4_0, 2 + 16), "Q4_1": (quantize_q4_1, 2 + 2 + 16),
-            "Q5_0": (quantize_q5_0, 2 + 4 + 16), "Q5_1": (quantize_q5_1, 2 + 2 + 4 + 16),
-            "Q8_0": (quantize_q8_0, 2 + 32)}
-
-
-def _entry(name):
-    kernel, type_size = _KERNELS[name]
-
-    def quantize(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, QK)
-        out = np.empty((x.shape[0], type_size), dtype=np.uint8)
-        kernel(x, out)
-        return out
-
-    quantize.__name__ = f"quantize_{name.lower()}"
-    return quantize
-
-
-LEGACY_QUANTIZERS = {name: _entry(name) for name in _KERNELS}
+LEGACY_QUANTIZERS = {name: block_quantizer(name, kernel) for name, kernel in (
+    ("Q4_0", quantize_q4_0), ("Q4_1", quantize_q4_1), ("Q5_0", quantize_q5_0), ("Q5_1", quantize_q5_1),
+    ("Q8_0", quantize_q8_0))}
