@@ -152,6 +152,11 @@ class Backend(ABC):
     def to_host(self, a) -> np.ndarray:
         """Device array -> host array."""
 
+    def constant(self, a: np.ndarray):
+        """A read-only host constant (a rotation matrix) as an array of this device. Default: a itself
+        (a host backend); a device backend uploads it once and keeps the copy."""
+        return a
+
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every op issued so far has finished (device timing)."""
@@ -248,8 +253,8 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
     if q_scale != 1.0:
         q *= np.float32(q_scale)
     quant = getattr(kv, "quant", None)
-    rot_k = hadamard(rotation_size(k.shape[-1], widest=True)) if quant is not None else None
-    rot_v = hadamard(rotation_size(v.shape[-1], widest=False)) if quant is not None else None
+    rot_k = _rotation(b, rotation_size(k.shape[-1], widest=True)) if quant is not None else None
+    rot_v = _rotation(b, rotation_size(v.shape[-1], widest=False)) if quant is not None else None
     if rot_k is not None:  # a block-quantized cache: q and k rotated alike, so q . k is unchanged
         rotate(q, rot_k)
         rotate(k, rot_k)
@@ -272,6 +277,12 @@ def rotation_size(head_dim: int, widest: bool) -> int:
     while widest and head_dim % (2 * n) == 0:
         n *= 2
     return n
+
+
+def _rotation(b, n: int):
+    """hadamard(n) as backend b's array (None for n = 0)."""
+    h = hadamard(n)
+    return None if h is None else b.constant(h)
 
 
 @functools.lru_cache(maxsize=8)

@@ -232,8 +232,6 @@ class KVCache:
         if kt.quantized and (cfg.head_dim_k % 32 or cfg.head_dim_v % 32):
             raise InvalidArgumentError(f"a {kt.name} KV cache needs head sizes divisible by 32 "
                                        f"(this model: {cfg.head_dim_k}, {cfg.head_dim_v}); use f16")
-        if kt.quantized and any(b.device != "cpu" for b in layer_backends):
-            raise InvalidArgumentError(f"a {kt.name} KV cache runs on the CPU only for now; use f16 with --gpu-layers")
         self.layers = []  # per layer: LayerKV
         for il, b in enumerate(layer_backends):
             g = self.groups[self.group_of[il]]

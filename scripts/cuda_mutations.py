@@ -62,6 +62,14 @@ MUTATIONS = [
     ("dot4 without __dp4a (devices before sm_61) skips the first byte", "common.cuh",
      "for (int k = 0; k < 32; k += 8) c += (int)(signed char)(a >> k)",
      "for (int k = 8; k < 32; k += 8) c += (int)(signed char)(a >> k)", "dp4a"),
+    ("q8_0 KV cache rounds half to even (__float2int_rn for ggml's roundf)", "kv_quant.cu",
+     "(int)roundf(v * id)", "__float2int_rn(v * id)", "quantized_kv"),
+    ("q4_0 KV cache: a tie of magnitudes goes to the later value (the scale's sign)", "kv_quant.cu",
+     "(o_amax == amax && o_at < at)", "(o_amax == amax && o_at > at)", "quantized_kv"),
+    ("q4_0 KV cache rounds x * id + 8.5 to nearest instead of truncating", "kv_quant.cu",
+     "(int)__fadd_rn(__fmul_rn(v, id), 8.5f)", "__float2int_rn(__fadd_rn(__fmul_rn(v, id), 8.5f))", "quantized_kv"),
+    ("KV cache store: blocks go to the token's index, not its slot (paged layout)", "kv_quant.cu",
+     "return cache + slots[t] * blocks_per_tok", "return cache + t * blocks_per_tok", "quantized_kv"),
 ]
 
 

@@ -92,6 +92,50 @@ def linear_q8_ref(ggml_type, raw: np.ndarray, n_cols: int, x: np.ndarray) -> np.
     return out
 
 
+# Block-quantized KV cache (kv_quant.cu): ggml's quantize_row_q8_0_ref / quantize_row_q4_0_ref
+KV_QUANT_TYPES = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
+
+
+def quantize_kv_ref(ggml_type, x: np.ndarray) -> np.ndarray:
+    """x float32 (n_rows, n) -> uint8 (n_rows, n / 32 * type_size), a block at a time in float32 steps.
+    Q8_0: d = amax / 127, id = 1 / d (0 if d == 0), q = round-half-away-from-zero(x * id).
+    Q4_0: v = the first value of largest magnitude, d = v / -8, id = 1 / d (0 if d == 0),
+    q = min(15, trunc(x * id + 8.5)), byte j = q[j] | q[j + 16] << 4. Both: the f16 of d first."""
+    f32 = np.float32
+    out = []
+    for blk in np.asarray(x, f32).reshape(-1, 32):
+        if GGMLType(ggml_type) == GGMLType.Q8_0:
+            d = f32(np.abs(blk).max()) / f32(127)
+            inv = f32(1) / d if d != 0 else f32(0)
+            q = [int(math.copysign(math.floor(abs(float(f32(v * inv))) + 0.5), float(v))) for v in blk]
+            qs = np.array(q, np.int8).view(np.uint8)
+        else:
+            d = blk[int(np.abs(blk).argmax())] / f32(-8)  # argmax: the first of equal magnitudes
+            inv = f32(1) / d if d != 0 else f32(0)
+            q = [min(15, int(f32(f32(v * inv) + f32(8.5)))) for v in blk]  # int(): truncation
+            qs = np.array([q[j] | (q[j + 16] << 4) for j in range(16)], np.uint8)
+        out.append(np.concatenate([np.array([d], np.float16).view(np.uint8), qs]))
+    return np.concatenate(out).reshape(x.shape[0], -1)
+
+
+def hard_kv(n_rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 (n_rows >= 4, n >= 64) K or V rows that exercise the KV quantizers' corners: a block of
+    zeros; largest magnitudes appearing as +v and -v (the first one sets Q4_0's sign); Q8_0's
+    x * id at exactly k + 0.5 (half away from zero, not to even); Q4_0's x * id + 8.5 at exact
+    integers and past 15 (the clamp); ordinary normal values."""
+    x = (rng.standard_normal((n_rows, n)) * 2).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 3], x[1, 20] = 50.0, -50.0  # +v first
+    x[1, 40], x[1, 41] = -50.0, 50.0  # -v first (lanes 17 apart, then neighbours)
+    x[2, :32] = (np.arange(32) - 16 + 0.5).astype(np.float32) / np.float32(64)  # Q8_0: id = 64, x * id = k + 0.5
+    x[2, 0] = np.float32(127 / 64)
+    # Q4_0 with d = 1 (x[3, 0] = -8): x + 8.5 = k + 1 exactly (values 0..15), then k + 0.75 (truncated
+    # to k, not rounded), and x[3, 31] + 8.5 = 16.25 clamped to 15
+    x[3, :32] = np.arange(32) % 16 - np.float32(8) + np.where(np.arange(32) < 16, np.float32(0.5), np.float32(0.25))
+    x[3, 0], x[3, 31] = -8.0, 7.75
+    return x
+
+
 def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """Over the last axis: x / sqrt(mean(x^2) + eps) * w."""
     x64 = x.astype(np.float64)
@@ -375,3 +419,21 @@ def test_linear_q8_ref_matches_the_cpu_backend_for_every_quant_type():
         assert np.max(np.abs(one - want[1]) / bound[1]) < 2e-6, qt.name
         float_product = linear_ref(dequantize_ref(ggml_type, raw, n_cols), x)
         assert np.max(np.abs(float_product - want) / bound) > 1e-4, qt.name  # 8 bits are visible
+
+
+def test_kv_quantizer_ref_equals_the_cpu_backends_cache_bytes():
+    """quantize_kv_ref is what the CPU backend's kv_store writes (gguf.quants.quantize, ggml's
+    reference quantizers), byte for byte, on the corners hard_kv plants; and known values."""
+    from gguf.quants import quantize
+
+    x = hard_kv(6, 64, np.random.default_rng(12))
+    for kind, ggml_type in KV_QUANT_TYPES.items():
+        np.testing.assert_array_equal(quantize_kv_ref(ggml_type, x), quantize(x, ggml_type), err_msg=kind)
+    q8 = quantize_kv_ref(GGMLType.Q8_0, x[2:3, :32])[0]
+    assert q8[:2].view(np.float16)[0] == np.float16(1 / 64)
+    # x * 64 = -14.5 .. 15.5 rounds away from zero: -14.5 -> -15, -0.5 -> -1, 0.5 -> 1 (to even: -14, 0, 0)
+    np.testing.assert_array_equal(q8[3:].view(np.int8), [*range(-15, 0), *range(1, 17)])
+    q4 = quantize_kv_ref(GGMLType.Q4_0, x[1:4])  # (3 rows, 2 blocks of 18 bytes)
+    assert q4[0, :2].view(np.float16)[0] == np.float16(-6.25) and q4[0, 18:20].view(np.float16)[0] == 6.25
+    nibbles = np.concatenate([q4[2, 2:18] & 15, q4[2, 2:18] >> 4])
+    np.testing.assert_array_equal(nibbles, [0, *range(2, 16), 15, 0, *range(1, 15), 15])

@@ -8,7 +8,10 @@ runs a matrix-vector kernel with integer dot products (__dp4a) when there are fe
 for a prompt batch it takes the 8-bit activations back to float32 (d * q, as the CPU's prompt path
 does), dequantizes the matrix into one reused float32 buffer of at most DEQUANT_BUFFER_BYTES (a larger
 matrix, such as a 262144-row output head, a slice of rows at a time) and calls cupy.matmul (cuBLAS).
-Activations are float32; the KV cache is float16 by default.
+Activations are float32; the KV cache is float16 by default. A block-quantized cache (q8_0 / q4_0) is
+written by kv_quant.cu in the CPU backend's bytes, and attention reads it as the CPU does: each
+sequence's keys and values dequantized to float32 (the dequantize kernels of those weight types), then
+the float32 attention kernel.
 
 CuPy is imported when a CudaBackend is made, never when this module is imported.
 """
@@ -74,12 +77,18 @@ OP_KERNELS: dict[str, str] = {
     "rope_f32": "norm_rope",
     "attention_f16kv": "attention",
     "attention_f32kv": "attention",
+    "kv_store_q8_0": "kv_quant",
+    "kv_store_q4_0": "kv_quant",
     "silu_mul_f32": "elementwise",
     "gelu_mul_f32": "elementwise",
     "add_f32": "elementwise",
     "add_row_f32": "elementwise",
     "scale_f32": "elementwise",
 }
+
+
+# Block-quantized KV cache types (edgellm/kv_cache.py KV_TYPES) -> the kernel that stores K or V in them.
+KV_STORE_KERNELS: dict[GGMLType, str] = {GGMLType.Q8_0: "kv_store_q8_0", GGMLType.Q4_0: "kv_store_q4_0"}
 
 
 def required_kernels() -> dict[str, list[str]]:
@@ -134,6 +143,7 @@ class CudaBackend(Backend):
         self._modules: dict[str, object] = {}
         self._dequant_buffer = None  # float32, flat; the largest matrix dequantized so far
         self._pinned = None  # (pinned memory, numpy uint8 view) staging for host <-> device copies
+        self._constants: dict[int, tuple] = {}  # id(host constant) -> (it, its device copy)
 
     # --- kernels --------------------------------------------------------------------------------
     def _function(self, module: str, name: str):
@@ -198,6 +208,13 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
+
+    def constant(self, a: np.ndarray):
+        """A read-only host constant uploaded once (the host array is kept, so its id stays its own)."""
+        held = self._constants.get(id(a))
+        if held is None:
+            held = self._constants[id(a)] = (a, self.cp.asarray(a))
+        return held[1]
 
     def record_event(self):
         """A CUDA event recorded on the current stream (GPU time = elapsed_ms(start, end))."""
@@ -363,8 +380,13 @@ class CudaBackend(Backend):
         pos % size, or the paged cache's step layout)."""
         slots = kv.slots(np.asarray(pos))
         slots_d = self.cp.asarray(slots.astype(np.int64))
-        kv.k[slots_d] = k.astype(kv.k.dtype, copy=False)  # rounded to nearest, like numpy's astype
-        kv.v[slots_d] = v.astype(kv.v.dtype, copy=False)
+        quant = getattr(kv, "quant", None)
+        if quant is not None:  # each head's values as one row of blocks, in the CPU's bytes
+            self._kv_store_quantized(quant.ggml_type, kv.k, k, slots_d)
+            self._kv_store_quantized(quant.ggml_type, kv.v, v, slots_d)
+        else:
+            kv.k[slots_d] = k.astype(kv.k.dtype, copy=False)  # rounded to nearest, like numpy's astype
+            kv.v[slots_d] = v.astype(kv.v.dtype, copy=False)
         kv.pos[slots] = pos
         if isinstance(kv, CudaKVLayer):
             kv.pos_device[slots_d] = self.cp.asarray(np.asarray(pos, dtype=np.int32))
@@ -377,12 +399,41 @@ class CudaBackend(Backend):
         if isinstance(kv, CudaKVLayer):
             return self._attend(q, kv.k, kv.v, kv.pos_device, kv.n_used, pos, kv.window, scale, out)
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
+        quant = getattr(kv, "quant", None)
         for t0, t1 in [(t, t + 1) for t in range(n_single)] + list(chunks):
             keys = kmap[kbeg[t0]:kend[t0]]
             keys_d = self.cp.asarray(keys)
             kpos_d = self.cp.asarray(kv.pos[keys].astype(np.int32))
-            self._attend(q[t0:t1], kv.k[keys_d], kv.v[keys_d], kpos_d, len(keys), pos[t0:t1], kv.window, scale,
-                         out[t0:t1])
+            k, v = kv.k[keys_d], kv.v[keys_d]
+            if quant is not None:  # the CPU's kv_rows: the blocks dequantized to float32
+                k, v = self._dequantize_rows(quant.ggml_type, k), self._dequantize_rows(quant.ggml_type, v)
+            self._attend(q[t0:t1], k, v, kpos_d, len(keys), pos[t0:t1], kv.window, scale, out[t0:t1])
+
+    def _kv_store_quantized(self, ggml_type: int, cache, x, slots_d) -> None:
+        """cache uint8 (n_slots, n_kv_head, row_bytes) at slots_d (n_tok,) int64 = x (n_tok, n_kv_head,
+        head_dim) float32 quantized to blocks of 32 (kv_quant.cu)."""
+        name = KV_STORE_KERNELS.get(GGMLType(ggml_type))
+        if name is None:
+            raise InvalidArgumentError(f"a {GGMLType(ggml_type).name} KV cache is not supported on the GPU")
+        n_tok, n_kv_head, head_dim = x.shape
+        qt = quant_type(ggml_type)
+        if head_dim % qt.block_size or cache.shape[1:] != (n_kv_head, head_dim // qt.block_size * qt.type_size):
+            raise InvalidArgumentError(f"KV cache of shape {cache.shape} cannot hold {x.shape} in {qt.name} blocks")
+        x = self._contiguous(x.astype(self.cp.float32, copy=False))
+        blocks_per_tok = n_kv_head * head_dim // qt.block_size
+        n_blocks = n_tok * blocks_per_tok
+        self._launch("kv_quant", name, (_blocks(n_blocks, MATVEC_ROWS),), (32, MATVEC_ROWS),
+                     (x, cache, slots_d, np.int64(blocks_per_tok), np.int64(n_blocks)))
+
+    def _dequantize_rows(self, ggml_type: int, blocks):
+        """blocks uint8 (T, n_kv_head, row_bytes) of a quantized cache -> float32 (T, n_kv_head, head_dim)."""
+        n, n_kv_head, row_bytes = blocks.shape
+        qt = quant_type(ggml_type)
+        head_dim = row_bytes // qt.type_size * qt.block_size
+        out = self.cp.empty((n, n_kv_head, head_dim), dtype=self.cp.float32)
+        rows = self.cp.ascontiguousarray(blocks).reshape(n * n_kv_head, row_bytes)
+        self.dequantize(QMatrix(ggml_type, rows, n * n_kv_head, head_dim), out.reshape(n * n_kv_head, head_dim))
+        return out
 
     def _attend(self, q, k, v, kpos_d, used: int, pos, window: int, scale: float, out) -> None:
         n_tok, n_head, hd_k = q.shape
@@ -460,4 +511,4 @@ def _check_shape(name: str, a, shape) -> None:
         raise InvalidArgumentError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-__all__ = ["CudaBackend", "CudaKVLayer", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]
+__all__ = ["CudaBackend", "CudaKVLayer", "KV_STORE_KERNELS", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]

@@ -193,6 +193,9 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def __sub__(self, other):
         return _upload(self._a - _operand(other))
 
+    def __matmul__(self, other):
+        return matmul(self, other)
+
 
 def _device_scalar(r) -> np.ndarray:
     a = _POOL.allocate((), np.asarray(r).dtype)
