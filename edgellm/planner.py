@@ -164,6 +164,10 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
     logits handed back to the caller. `n_ctx_attn` is the longest KV a block on this device attends to.
     """
     t, c = shape.n_tok, config
+    kt = KV_TYPES[shape.kv_type]
+    # bytes per K/V value of a sequence gathered from the paged cache for the GPU kernel: the cache's
+    # own values, and for a block-quantized cache also their float32 dequantization (the kernel's input)
+    gathered = kt.bytes_per_value + (F32 if kt.quantized else 0)
     q_dim, kv_dim_k, kv_dim_v = c.n_head * c.head_dim_k, c.n_head_kv * c.head_dim_k, c.n_head_kv * c.head_dim_v
     buffers: dict[str, int] = {}
     if is_host or runs_blocks or holds_head:
@@ -181,9 +185,10 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             v=t * kv_dim_v * F32,  # (n_tok, n_head_kv, head_dim_v)
             # attention: the CPU kernel holds one row of scores and 32 lanes of head_dim_v sums per
             # thread; on the GPU a sequence's keys and values are gathered from the paged cache
-            # (n_ctx of them, f16) for the kernel, which keeps its scores in shared memory
+            # (n_ctx of them; a quantized cache's blocks and their float32 values) for the kernel,
+            # which keeps its scores in shared memory
             attn_scores=(ATTN_THREADS * (n_ctx_attn + 32 * c.head_dim_v) * F32 if is_host
-                         else n_ctx_attn * (kv_dim_k + kv_dim_v) * 2),
+                         else int(n_ctx_attn * (kv_dim_k + kv_dim_v) * gathered)),
             attn_out=t * c.n_head * c.head_dim_v * F32,  # (n_tok, n_head * head_dim_v)
             proj_out=t * c.n_embd * F32,  # attn_output / ffn_down result before the residual add
             ffn_gate=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff): a prompt's FFN runs in chunks

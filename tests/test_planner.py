@@ -94,6 +94,11 @@ def test_activation_terms_are_the_named_buffers(sparse_models):
     p = plan(cfg, sizes, n_ctx=4096, n_batch=512, gpu_layers=4, budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
     cpu, gpu = dict(p.cpu.activation_buffers), dict(p.gpu.activation_buffers)
     assert gpu["attn_scores"] == 4096 * (32 * 128 * 2) * 2  # a sequence's K and V gathered (f16)
+    for kv_type, per_value in (("f32", 4), ("q8_0", 34 / 32 + 4), ("q4_0", 18 / 32 + 4)):
+        # a quantized cache's gathered blocks and the float32 values dequantized from them
+        pk = plan(cfg, sizes, n_ctx=4096, n_batch=512, gpu_layers=4, kv_type=kv_type,
+                  budgets=Budgets(cpu=1 << 50, gpu=1 << 40))
+        assert dict(pk.gpu.activation_buffers)["attn_scores"] == 4096 * (32 * 128 * 2) * per_value, kv_type
     assert gpu["dequant"] == 32 << 20  # at most this much of a matrix at a time, as the backend does
     from edgellm.kernels.cuda.backend import DEQUANT_BUFFER_BYTES
 
@@ -124,6 +129,8 @@ def test_explicit_layers_put_the_head_and_last_blocks_on_the_gpu(sparse_models):
     assert p.gpu.weights == sum(sizes.blocks[22:]) + sizes.head + sizes.output_norm
     assert p.cpu.weights == sum(sizes.blocks[:22]) + sizes.token_embd
     assert p.gpu.kv_cache == 10 * 2 * 4096 * 2048 * 2
+    q8 = plan(cfg, sizes, n_ctx=2048, gpu_layers=10, kv_type="q8_0", budgets=budgets)  # 34 bytes per 32 values
+    assert (q8.gpu.kv_cache, q8.cpu.kv_cache) == (10 * 2 * 4096 * 2048 * 34 // 32, 22 * 2 * 4096 * 2048 * 34 // 32)
     assert p.gpu.runtime == GPU_RUNTIME_BYTES
     assert plan(cfg, sizes, n_ctx=2048, gpu_layers=-1, budgets=budgets).layers == ("gpu",) * 32
     assert plan(cfg, sizes, n_ctx=2048, gpu_layers=99, budgets=budgets).n_gpu_layers == 32
