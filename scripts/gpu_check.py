@@ -241,6 +241,14 @@ def check_kernels(report: Report) -> None:
             ok, detail = close("attention", out.get(), want, 1e-4, 1e-5)
             report.record(label, ok and same_cache, detail + ("" if same_cache else "; kv_store differs from CPU"))
 
+    with report.guard("quantized KV cache"):  # q8_0 / q4_0: the CPU's bytes, attention over them
+        for kind in ref.KV_QUANT_TYPES:
+            for label, got, want, exact in ref.quantized_kv_steps(b, cpu, kind, rng):
+                if exact:
+                    report.record(label, bool(np.array_equal(got, want)))
+                else:
+                    report.record(label, *close(label, got, want, 1e-4, 1e-5))
+
     with report.guard("element-wise"):
         n = 10007
         gate = (rng.standard_normal(n) * 4).astype(np.float32)
@@ -339,6 +347,20 @@ def check_models(report: Report, workdir: Path, all_types: bool) -> None:
                 if stats is not None and gpu_layers:
                     print(f"      stats: {_short_stats(stats)}", flush=True)
                 del m
+
+    # block-quantized KV caches (kv_quant.cu): every layer on the GPU against the CPU run with the same cache
+    arch, type_name = MODELS[0]
+    path = str(workdir / f"{arch}-{type_name}.gguf")  # written above
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, 512, size=64)]
+    for kv_type in ("q8_0", "q4_0"):
+        with report.guard(f"model {arch} {type_name} kv {kv_type}"):
+            load = dict(n_ctx=128, n_batch=16, kv_type=kv_type)
+            want = edgellm.load(path, gpu_layers=0, **load).logits(tokens)
+            got = edgellm.load(path, gpu_layers=-1, **load).logits(tokens)
+            top1, kl_mean, kl_max, far = compare_logits(want, got)
+            report.record(f"model {arch} {type_name} kv {kv_type} gpu_layers=-1 prefill logits",
+                          far == 0 and kl_mean <= KL_MAX,
+                          f"top-1 {top1:.4f} ({far} flips beyond a near-tie), KL mean {kl_mean:.2e} max {kl_max:.2e}")
 
 
 def _short_stats(stats) -> str:

@@ -209,49 +209,15 @@ def test_attention_and_kv_store(gpu, case):
 @pytest.mark.parametrize("kind", list(ref.KV_QUANT_TYPES))
 def test_quantized_kv_cache_equals_the_cpu_backends(gpu, kind):
     """A q8_0 / q4_0 paged cache (kv_store_q8_0 / kv_store_q4_0, then attention over the blocks
-    dequantized): after every step the GPU's blocks equal the CPU backend's bytes and quantize_kv_ref's
-    (the quantizers' corners in hard_kv), and attention equals the CPU's over the same blocks. Two
-    sequences: a 21-token prompt, then a ragged step (its next token alone + a 5-token prompt of the
-    other); hd_k 64 != hd_v 32, GQA 2."""
-    from edgellm.kv_cache import KVCache, build_layouts
-
-    cp, rng, cpu = gpu.cp, np.random.default_rng(8), CPUBackend()
-    cfg = SimpleNamespace(n_layer=1, n_head_kv=2, head_dim_k=64, head_dim_v=32, sliding_window=0, swa_layers=[False])
-    n_head, ggml_type = 4, ref.KV_QUANT_TYPES[kind]
-    caches = {b: KVCache(cfg, [b], n_ctx=48, n_batch=32, n_seq=2, kv_type=kind) for b in (gpu, cpu)}
-    seqs = {b: (c.new_sequence(), c.new_sequence()) for b, c in caches.items()}
-    scale = 1.0 / math.sqrt(cfg.head_dim_k)
-    for step in ([(0, 21)], [(0, 1), (1, 5)]):  # (sequence, tokens)
-        n_tok = sum(n for _, n in step)
-        k = ref.hard_kv(n_tok * cfg.n_head_kv, cfg.head_dim_k, rng).reshape(n_tok, cfg.n_head_kv, -1)
-        v = ref.hard_kv(n_tok, 64, rng)[::-1].reshape(n_tok, cfg.n_head_kv, cfg.head_dim_v)  # corners last
-        q = rng.standard_normal((n_tok, n_head, cfg.head_dim_k)).astype(np.float32)
-        outs = {}
-        for b, cache in caches.items():
-            entries = []
-            for i, n in step:
-                seq = seqs[b][i]
-                assert seq.grow(n)
-                entries.append((seq, np.arange(seq.n_past, seq.n_past + n, dtype=np.int64)))
-            lk = cache.layers[0]
-            lk.layout = build_layouts(cache, entries)[0]
-            pos = np.concatenate([p for _, p in entries])
-            up = cp.asarray if b is gpu else np.ascontiguousarray
-            out = up(np.zeros((n_tok, n_head * cfg.head_dim_v), np.float32))
-            b.kv_store(lk, up(k), up(v), pos)
-            b.attention(up(q), lk, pos, scale, out)
-            outs[b] = out.get() if b is gpu else out
-            for (seq, _), (_, n) in zip(entries, step):
-                seq.commit(np.zeros(n, np.int64))
-        g, c = caches[gpu].layers[0], caches[cpu].layers[0]
-        slots = g.layout.slots
-        np.testing.assert_array_equal(g.k.get(), c.k)  # every slot, written or not
-        np.testing.assert_array_equal(g.v.get(), c.v)
-        np.testing.assert_array_equal(g.k.get()[slots].reshape(n_tok * cfg.n_head_kv, -1),
-                                      ref.quantize_kv_ref(ggml_type, k.reshape(n_tok * cfg.n_head_kv, -1)))
-        np.testing.assert_array_equal(g.v.get()[slots].reshape(n_tok * cfg.n_head_kv, -1),
-                                      ref.quantize_kv_ref(ggml_type, v.reshape(n_tok * cfg.n_head_kv, -1)))
-        assert_close(outs[gpu], outs[cpu], 1e-4, 1e-5)
+    dequantized): after every step of ref.quantized_kv_steps the GPU's blocks equal the CPU backend's
+    bytes and quantize_kv_ref's (the quantizers' corners), and attention equals the CPU's."""
+    checks = list(ref.quantized_kv_steps(gpu, CPUBackend(), kind, np.random.default_rng(8)))
+    assert len(checks) == 10
+    for name, got, want, exact in checks:
+        if exact:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            assert_close(got, want, 1e-4, 1e-5)
 
 
 # ============================================================================ element-wise, crossings

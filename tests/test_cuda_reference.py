@@ -136,6 +136,57 @@ def hard_kv(n_rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
+def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
+    """The same K, V and q through a one-layer q8_0 / q4_0 paged cache on the GPU backend and on the
+    CPU backend: two sequences, a 21-token prompt, then a ragged step (its next token alone + a 5-token
+    prompt of the other); hd_k 64 != hd_v 32, GQA 2, K and V with hard_kv's corners. Yields per step
+    (name, got, want, exact): the GPU's K and V blocks against the CPU's and quantize_kv_ref's (exact),
+    then attention against the CPU's (within float32 summation order)."""
+    from types import SimpleNamespace
+
+    from edgellm.kv_cache import KVCache, build_layouts
+
+    cp = gpu.cp
+    cfg = SimpleNamespace(n_layer=1, n_head_kv=2, head_dim_k=64, head_dim_v=32, sliding_window=0, swa_layers=[False])
+    n_head, ggml_type = 4, KV_QUANT_TYPES[kind]
+    caches = {"gpu": KVCache(cfg, [gpu], n_ctx=48, n_batch=32, n_seq=2, kv_type=kind),
+              "cpu": KVCache(cfg, [cpu], n_ctx=48, n_batch=32, n_seq=2, kv_type=kind)}
+    seqs = {d: (c.new_sequence(), c.new_sequence()) for d, c in caches.items()}
+    scale = 1.0 / math.sqrt(cfg.head_dim_k)
+    for step in ([(0, 21)], [(0, 1), (1, 5)]):  # (sequence, tokens)
+        n_tok = sum(n for _, n in step)
+        k = hard_kv(n_tok * cfg.n_head_kv, cfg.head_dim_k, rng).reshape(n_tok, cfg.n_head_kv, -1)
+        v = hard_kv(n_tok, 64, rng)[::-1].reshape(n_tok, cfg.n_head_kv, cfg.head_dim_v)  # corners last
+        q = rng.standard_normal((n_tok, n_head, cfg.head_dim_k)).astype(np.float32)
+        outs = {}
+        for d, cache in caches.items():
+            b, up = (gpu, cp.asarray) if d == "gpu" else (cpu, np.ascontiguousarray)
+            entries = []
+            for i, n in step:
+                seq = seqs[d][i]
+                assert seq.grow(n)
+                entries.append((seq, np.arange(seq.n_past, seq.n_past + n, dtype=np.int64)))
+            lk = cache.layers[0]
+            lk.layout = build_layouts(cache, entries)[0]
+            pos = np.concatenate([p for _, p in entries])
+            out = up(np.zeros((n_tok, n_head * cfg.head_dim_v), np.float32))
+            b.kv_store(lk, up(k), up(v), pos)
+            b.attention(up(q), lk, pos, scale, out)
+            outs[d] = out.get() if d == "gpu" else out
+            for (seq, _), (_, n) in zip(entries, step):
+                seq.commit(np.zeros(n, np.int64))
+        g, c = caches["gpu"].layers[0], caches["cpu"].layers[0]
+        gk, gv, slots = g.k.get(), g.v.get(), g.layout.slots
+        label = f"{kind} KV step of {n_tok} tokens"
+        yield f"{label}: K blocks = CPU backend's", gk, c.k.copy(), True  # every slot, written or not
+        yield f"{label}: V blocks = CPU backend's", gv, c.v.copy(), True
+        yield (f"{label}: K blocks = quantize_kv_ref", gk[slots].reshape(n_tok * cfg.n_head_kv, -1),
+               quantize_kv_ref(ggml_type, k.reshape(n_tok * cfg.n_head_kv, -1)), True)
+        yield (f"{label}: V blocks = quantize_kv_ref", gv[slots].reshape(n_tok * cfg.n_head_kv, -1),
+               quantize_kv_ref(ggml_type, v.reshape(n_tok * cfg.n_head_kv, -1)), True)
+        yield f"{label}: attention = CPU backend's", outs["gpu"], outs["cpu"], False
+
+
 def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """Over the last axis: x / sqrt(mean(x^2) + eps) * w."""
     x64 = x.astype(np.float64)
