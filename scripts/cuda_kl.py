@@ -7,6 +7,7 @@ Runs on a GPU, or without one under EDGELLM_CUDA_EMULATE=1 (the CUDA kernels on 
         --cpu-ops attention,gelu_mul           # those GPU ops replaced by the CPU backend's twins
     EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --float-activations    # GPU products in float32
     EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --greedy 16            # + greedy continuations of 5 prompts
+    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --kv-type q8_0 --gpu-layers half  # both runs with a q8_0 cache
     python scripts/cuda_kl.py --gpu-layers 0 --batch 5        # the CPU against itself, prompt in batches of 5
 
 --cpu-ops finds where a remaining difference comes from: each named CudaBackend op is computed by
@@ -104,6 +105,7 @@ def main() -> int:
     ap.add_argument("--float-activations", action="store_true")
     ap.add_argument("--batch", type=int, default=256, help="prompt batch size of the compared run")
     ap.add_argument("--greedy", type=int, default=0, help="also compare greedy continuations of this many tokens")
+    ap.add_argument("--kv-type", default="f16", help="KV cache type of both runs: f16, f32, q8_0, q4_0")
     args = ap.parse_args()
 
     import edgellm
@@ -117,24 +119,25 @@ def main() -> int:
         cuda_backend.CudaBackend.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "q8_activations": False})
     for name in args.models.split(","):
         path = str(model_path(MODELS[name]))
-        cpu = edgellm.load(path, gpu_layers=0, n_ctx=256, n_batch=256)
+        kv = dict(kv_type=args.kv_type)
+        cpu = edgellm.load(path, gpu_layers=0, n_ctx=256, n_batch=256, **kv)
         ids = cpu.tokenize(args.prompt)
         want = cpu.logits(ids)
         n_layer = cpu.config.n_layer
         # greedy runs on models of their own: a generate right after a long logits() call can take its
         # steps on the engine thread, where the CPU kernels run far slower
-        cpu_greedy = [greedy(edgellm.load(path, gpu_layers=0, n_ctx=64, n_batch=64), p, args.greedy)
+        cpu_greedy = [greedy(edgellm.load(path, gpu_layers=0, n_ctx=64, n_batch=64, **kv), p, args.greedy)
                       for p in GREEDY_PROMPTS] if args.greedy else []
         for spec in args.gpu_layers.split(","):
             n = n_layer if spec == "all" else n_layer // 2 if spec == "half" else int(spec)
             t0 = time.process_time()
-            m = edgellm.load(path, gpu_layers=n, n_ctx=256, n_batch=args.batch)
+            m = edgellm.load(path, gpu_layers=n, n_ctx=256, n_batch=args.batch, **kv)
             got = m.logits(ids)
             r = compare(want, got)
-            line = (f"{name} gpu_layers={n:2d}/{n_layer} ({len(ids)} positions): top-1 {r['top1']:.4f}  mean KL "
+            line = (f"{name} gpu_layers={n:2d}/{n_layer} kv {args.kv_type} ({len(ids)} positions): top-1 {r['top1']:.4f}  mean KL "
                     f"{r['kl']:.2e}  max KL {r['kl_max']:.2e}  max |dlogit| {r['dlogit']:.3g}")
             if args.greedy:
-                g = edgellm.load(path, gpu_layers=n, n_ctx=64, n_batch=64)
+                g = edgellm.load(path, gpu_layers=n, n_ctx=64, n_batch=64, **kv)
                 same = sum(greedy(g, p, args.greedy) == want for p, want in zip(GREEDY_PROMPTS, cpu_greedy))
                 line += f"  greedy {args.greedy} tokens identical on {same}/{len(GREEDY_PROMPTS)} prompts"
             print(f"{line}  [{time.process_time() - t0:.0f} s CPU]", flush=True)
