@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-
-import os
 
 import numpy as np
 import pytest
