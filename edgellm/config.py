@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -82,6 +84,10 @@ class ModelConfig:
         factor = m.raw("rope.scaling.factor", 1.0)
         factor = 1.0 if type(factor) in (int, float) and factor == 0 else m.number("rope.scaling.factor", 1.0)
         freq_scale = 1.0 / factor if scaling_type == "linear" else 1.0
+        freq_base = m.number("rope.freq_base", 10000.0)
+        freq_base_swa = m.number("rope.freq_base_swa", module.ROPE_FREQ_BASE_SWA)
+        for key, base in (("rope.freq_base", freq_base), ("rope.freq_base_swa", freq_base_swa)):
+            _check_rope_angles(m, key, base, "rope.scaling.factor", factor, freq_scale, n_rot)
         sliding_window = m.integer("attention.sliding_window", 0, lo=0)
         cfg = cls(
             arch=arch,
@@ -96,9 +102,9 @@ class ModelConfig:
             n_vocab=n_vocab,
             n_ctx_train=m.integer("context_length", 2048),
             n_rot=n_rot,
-            rope_freq_base=m.number("rope.freq_base", 10000.0),
+            rope_freq_base=freq_base,
             rope_freq_scale=freq_scale,
-            rope_freq_base_swa=m.number("rope.freq_base_swa", module.ROPE_FREQ_BASE_SWA),
+            rope_freq_base_swa=freq_base_swa,
             rms_eps=m.number("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0),
             sliding_window=sliding_window,
             swa_layers=(),  # set once check_tensors has bounded n_layer by the file's blocks
@@ -112,3 +118,23 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim_k)
+
+
+ROPE_MAX_POS = 1 << 24  # positions the RoPE angles must stay finite for (far past any context)
+_LOG_F32_MAX = math.log(float(np.finfo(np.float32).max))
+
+
+def _check_rope_angles(m, base_key: str, base: float, scale_key: str, factor: float, freq_scale: float,
+                       n_rot: int) -> None:
+    """RoPE's float32 angles p * base^(-2i/n_rot) * freq_scale (i < n_rot/2) must be finite for every
+    position up to ROPE_MAX_POS: a tiny base or scaling factor (a hostile file) overflowed them to
+    inf, and NumPy printed a RuntimeWarning and the model produced NaN. Checked in log space (the
+    powers themselves may overflow a float)."""
+    log_steps = max(0.0, (n_rot // 2 - 1) * (-2.0 / n_rot) * math.log(base))
+    log_scale = math.log(freq_scale)
+    if math.log(ROPE_MAX_POS) + log_steps + log_scale < _LOG_F32_MAX:
+        return
+    if log_scale >= log_steps:
+        raise m.bad(scale_key, factor, "a factor that keeps RoPE's float32 angles finite "
+                    f"(>= {ROPE_MAX_POS * math.exp(log_steps - _LOG_F32_MAX):.3g} for this file)")
+    raise m.bad(base_key, base, "a base that keeps RoPE's float32 angles finite")

@@ -201,3 +201,62 @@ def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n
     b.ops.attend_ggml(q, kc, vc, kv.pos, kmap, kbeg, kend, pos, kv.window, np.float32(0.125), 1, expect,
                       kc.dtype.type(0))
     np.testing.assert_array_equal(out, expect)
+
+
+def _attention_reference(qh, keys, values, visible, dtype, n_acc, scale=np.float32(0.125)):
+    """One head of one token over its key list (rows of keys / values as the cache holds them; a key
+    not visible scores -inf): ggml's order, as in test_attention_dot_products_follow_ggml."""
+    from edgellm.kernels.cpu.backend import expf_ggml
+
+    kf = keys.astype(np.float32)
+    qr = qh.astype(dtype).astype(np.float32)
+    s = (ref.dot_f16(kf, qr, n_acc) * scale).astype(np.float32)
+    e = np.where(visible, expf_ggml(s - s[visible].max()), np.float32(0))
+    pad = np.zeros((-len(e)) % 8, np.float32)
+    p = (e * np.float32(1.0 / ref.hsum8(np.concatenate([e, pad]).reshape(-1, 8)).astype(np.float64).sum()))
+    p = p.astype(dtype).astype(np.float32)
+    vt = np.ascontiguousarray(values.astype(np.float32).T)
+    pad_v = np.zeros((vt.shape[0], (-len(p)) % (8 * n_acc)), np.float32)
+    return ref.dot_f16(np.concatenate([vt, pad_v], 1), np.concatenate([p, np.zeros(pad_v.shape[1], np.float32)]),
+                       n_acc)
+
+
+@pytest.mark.parametrize("n_head, n_kv, hd, n_seq, window", [
+    (9, 3, 64, 1, 0), (9, 3, 64, 2, 0), (9, 3, 64, 8, 0), (4, 1, 256, 1, 0), (4, 1, 256, 4, 24),
+    (32, 8, 64, 1, 0), (32, 8, 64, 3, 0), (8, 2, 64, 5, 16)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, hd, n_seq, window, dtype):
+    """Decode attention (vec_dot_f16's four accumulators) for n sequences at once, each token over
+    its own keys scattered over a shared pool of slots: every head of every token equals the NumPy
+    reference bit for bit."""
+    from edgellm.kernels.cpu import ops
+
+    n_slots = 64 * n_seq + 16
+    zero = np.float16(0).view(np.uint16) if dtype == np.float16 else np.float32(0)
+    kc = RNG.standard_normal((n_slots, n_kv, hd)).astype(dtype)
+    vc = RNG.standard_normal((n_slots, n_kv, hd)).astype(dtype)
+    kpos = np.full(n_slots, -1, np.int32)
+    slots = RNG.permutation(n_slots)
+    lens = RNG.integers(1, 60, size=n_seq)
+    kmap, kbeg, kend, at = [], [], [], 0
+    for t in range(n_seq):
+        mine = slots[at:at + lens[t]]
+        at += lens[t]
+        kpos[mine] = np.arange(lens[t])
+        kbeg.append(len(kmap))
+        kmap.extend(mine)
+        kend.append(len(kmap))
+    kmap, kbeg, kend = np.array(kmap, np.int64), np.array(kbeg, np.int64), np.array(kend, np.int64)
+    pos = (lens - 1).astype(np.int32)
+    q = (RNG.standard_normal((n_seq, n_head, hd)) * 3).astype(np.float32)
+    out = np.full((n_seq, n_head * hd), np.nan, np.float32)
+    k_arg = kc.view(np.uint16) if dtype == np.float16 else kc
+    v_arg = vc.view(np.uint16) if dtype == np.float16 else vc
+    ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), 4, out, zero)
+    g = n_head // n_kv
+    for t in range(n_seq):
+        mine = kmap[kbeg[t]:kend[t]]
+        visible = (pos[t] - kpos[mine] < window) if window else np.ones(len(mine), bool)
+        for h in range(n_head):
+            expect = _attention_reference(q[t, h], kc[mine, h // g], vc[mine, h // g], visible, dtype, 4)
+            np.testing.assert_array_equal(out[t, h * hd:(h + 1) * hd], expect, err_msg=f"token {t} head {h}")

@@ -173,6 +173,8 @@ META_CASES = [
     (L + "rope.freq_base", scalar(V.FLOAT32, 0.0), errors.MetadataValueError, "rope.freq_base"),
     (L + "rope.freq_base", scalar(V.FLOAT32, -10000.0), errors.MetadataValueError, "rope.freq_base"),
     (L + "rope.freq_base", NAN32, errors.MetadataValueError, "rope.freq_base"),
+    # a tiny base overflowed RoPE's float32 angles (a NumPy RuntimeWarning, then NaN logits)
+    (L + "rope.freq_base", scalar(V.FLOAT32, 1e-38), errors.MetadataValueError, "rope.freq_base"),
     (L + "rope.scaling.factor", NAN32, errors.MetadataValueError, "rope.scaling.factor"),
     (L + "rope.scaling.type", scalar(V.UINT32, 1), errors.MetadataValueError, "rope.scaling.type"),
     ("general.name", scalar(V.UINT32, 7), errors.MetadataValueError, "general.name"),
@@ -215,6 +217,20 @@ def test_bad_metadata_value_is_one_clear_error(base, tmp_path, key, value, cls, 
     assert type(info.value) is cls, str(info.value)
     msg = str(info.value)
     assert words in msg and str(bad) in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("factor, ok", [(1e-40, False), (1e-33, False), (1e-28, True), (0.25, True), (8.0, True)])
+def test_a_linear_rope_factor_that_overflows_the_angles_is_one_clear_error(base, tmp_path, factor, ok):
+    """Linear RoPE scaling divides the angles by the factor; a subnormal factor made them inf."""
+    bad = rewrite(base, tmp_path / "bad.gguf", meta={L + "rope.scaling.type": string("linear"),
+                                                   L + "rope.scaling.factor": scalar(V.FLOAT32, factor)})
+    if ok:
+        assert ModelConfig.from_gguf(GGUFFile(bad)).rope_freq_scale == pytest.approx(1 / np.float32(factor))
+        return
+    with pytest.raises(errors.MetadataValueError) as info:
+        ModelConfig.from_gguf(GGUFFile(bad))
+    msg = str(info.value)
+    assert "rope.scaling.factor" in msg and "finite" in msg and "\n" not in msg, msg
 
 
 TENSOR_CASES = [

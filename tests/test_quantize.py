@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +254,14 @@ def test_cli(models, tmp_path):
     assert types_of(tmp_path / "o.gguf")["blk.0.ffn_up.weight"] == "Q6_K"
     bad = run("quantize", tmp_path / "o.gguf", tmp_path / "p.gguf", "Q4_0")
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--allow-requantize" in bad.stderr
+
+
+def test_the_encoders_compiled_code_goes_to_the_user_cache_dir(tmp_path):
+    """The quantizers' Numba cache lands under edgellm's cache dir like the runtime kernels' (it went to
+    the installed package's __pycache__, which may not be writable)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["EDGELLM_CACHE"] = str(tmp_path)
+    code = ("import numba, edgellm.quality.legacy_numba, edgellm.quality.kquant_numba; "
+            "print(numba.config.CACHE_DIR)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().startswith(str(tmp_path / "numba")), out.stdout + out.stderr

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgellm.kernels import cpu as _cpu  # noqa: F401  (sets Numba's cache dir before compiling)
-from edgellm.kernels.cpu.common import f32_to_f16_bits, njit
-from edgellm.quality.kquant_numba import block_quantizer
+from edgellm.kernels import cpu as _cpu
+
+_cpu.use_cache_dir()  # before the cache=True functions below are defined
+
+from edgellm.kernels.cpu.common import f32_to_f16_bits, njit  # noqa: E402
+from edgellm.quality.kquant_numba import block_quantizer  # noqa: E402
 
 F = np.float32
 JIT = dict(cache=True, nogil=True)

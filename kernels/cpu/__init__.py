@@ -98,14 +98,21 @@ def numba_cache_dir() -> Path:
     return cache_dir() / "numba" / digest.hexdigest()[:16]
 
 
-def _import(name: str):
-    """A module of this package, imported (and Numba's cache dir set) on first use."""
-    global _common
+def use_cache_dir() -> None:
+    """Point Numba's on-disk cache at numba_cache_dir() (unless NUMBA_CACHE_DIR is set). A module
+    outside this package with `cache=True` functions calls it before defining them: Numba picks a
+    function's cache folder when it is decorated (else: the package's __pycache__)."""
     if "NUMBA_CACHE_DIR" not in os.environ:
         os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
         import numba  # already imported by someone else: its config read the env too early
 
         numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+def _import(name: str):
+    """A module of this package, imported (and Numba's cache dir set) on first use."""
+    global _common
+    use_cache_dir()
     module = import_module(f"{__name__}.{name}")
     if _common is None:
         _common = import_module(f"{__name__}.common")
