@@ -300,7 +300,11 @@ def hadamard(n: int) -> np.ndarray | None:
 
 
 def rotate(x: np.ndarray, h: np.ndarray) -> None:
-    """In place: each run of len(h) values along x's last axis times h."""
+    """In place: each run of len(h) values along x's last axis times h, summed in float64 and rounded
+    to float32 once. (A float32 BLAS product summed in an order that depended on the thread count:
+    a q8_0-cache run gave other logits with 1 thread than with 2, up to 1.3 apart. In float64 the
+    products are exact and the sums within ~1e-16, so the float32 result does not depend on BLAS's
+    order short of a rounding tie; the emulated GPU's product is computed the same way.)"""
     n = h.shape[0]
     flat = x.reshape(-1, n)
-    flat[:] = flat @ h
+    flat[:] = flat.astype(np.float64) @ h.astype(np.float64)
