@@ -300,11 +300,23 @@ def hadamard(n: int) -> np.ndarray | None:
 
 
 def rotate(x: np.ndarray, h: np.ndarray) -> None:
-    """In place: each run of len(h) values along x's last axis times h, summed in float64 and rounded
-    to float32 once. (A float32 BLAS product summed in an order that depended on the thread count:
-    a q8_0-cache run gave other logits with 1 thread than with 2, up to 1.3 apart. In float64 the
-    products are exact and the sums within ~1e-16, so the float32 result does not depend on BLAS's
-    order short of a rounding tie; the emulated GPU's product is computed the same way.)"""
+    """In place: each run of len(h) values along x's last axis times h (hadamard(len(h))).
+
+    On the host, as llama.cpp's CPU backend computes it (ggml_compute_forward_fwht, which its
+    Hadamard products take): the values times 1 / sqrtf(n) in float32, then the fast Walsh-Hadamard
+    butterflies (u + v, u - v) in float32, pass by pass, so the bits are llama.cpp's and do not
+    depend on a BLAS's order or thread count (a float32 BLAS product made a q8_0-cache run give other
+    logits with 1 thread than with 2). On a device, the product summed in float64 and rounded once."""
     n = h.shape[0]
-    flat = x.reshape(-1, n)
-    flat[:] = flat.astype(np.float64) @ h.astype(np.float64)
+    if not isinstance(x, np.ndarray):
+        flat = x.reshape(-1, n)
+        flat[:] = flat.astype(np.float64) @ h.astype(np.float64)
+        return
+    y = x.reshape(-1, n) * F32(1.0 / np.sqrt(F32(n)))
+    length = 1
+    while length < n:
+        pairs = y.reshape(y.shape[0], n // (2 * length), 2, length)
+        u, v = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = np.stack((u + v, u - v), axis=2).reshape(-1, n)
+        length *= 2
+    x.reshape(-1, n)[:] = y

@@ -98,16 +98,18 @@ KV_QUANT_TYPES = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 
 def quantize_kv_ref(ggml_type, x: np.ndarray) -> np.ndarray:
     """x float32 (n_rows, n) -> uint8 (n_rows, n / 32 * type_size), a block at a time in float32 steps.
-    Q8_0: d = amax / 127, id = 1 / d (0 if d == 0), q = round-half-away-from-zero(x * id).
+    Q8_0 (x86's quantize_row_q8_0, what llama.cpp's CPU writes its cache with): d = amax / 127,
+    id = 127 / amax (0 if amax == 0), q = round-half-to-even(x * id).
     Q4_0: v = the first value of largest magnitude, d = v / -8, id = 1 / d (0 if d == 0),
     q = min(15, trunc(x * id + 8.5)), byte j = q[j] | q[j + 16] << 4. Both: the f16 of d first."""
     f32 = np.float32
     out = []
     for blk in np.asarray(x, f32).reshape(-1, 32):
         if GGMLType(ggml_type) == GGMLType.Q8_0:
-            d = f32(np.abs(blk).max()) / f32(127)
-            inv = f32(1) / d if d != 0 else f32(0)
-            q = [int(math.copysign(math.floor(abs(float(f32(v * inv))) + 0.5), float(v))) for v in blk]
+            amax = f32(np.abs(blk).max())
+            d = amax / f32(127)
+            inv = f32(127) / amax if amax != 0 else f32(0)
+            q = [round(float(f32(v * inv))) for v in blk]  # Python's round: half to even
             qs = np.array(q, np.int8).view(np.uint8)
         else:
             d = blk[int(np.abs(blk).argmax())] / f32(-8)  # argmax: the first of equal magnitudes
@@ -121,7 +123,7 @@ def quantize_kv_ref(ggml_type, x: np.ndarray) -> np.ndarray:
 def hard_kv(n_rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """float32 (n_rows >= 4, n >= 64) K or V rows that exercise the KV quantizers' corners: a block of
     zeros; largest magnitudes appearing as +v and -v (the first one sets Q4_0's sign); Q8_0's
-    x * id at exactly k + 0.5 (half away from zero, not to even); Q4_0's x * id + 8.5 at exact
+    x * id at exactly k + 0.5 (half to even, not away from zero); Q4_0's x * id + 8.5 at exact
     integers and past 15 (the clamp); ordinary normal values."""
     x = (rng.standard_normal((n_rows, n)) * 2).astype(np.float32)
     x[0, :32] = 0.0
@@ -141,7 +143,8 @@ def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
     CPU backend: two sequences, a 21-token prompt, then a ragged step (its next token alone + a 5-token
     prompt of the other); hd_k 64 != hd_v 32, GQA 2, K and V with hard_kv's corners. Yields per step
     (name, got, want, exact): the GPU's K and V blocks against the CPU's and quantize_kv_ref's (exact),
-    then attention against the CPU's (within float32 summation order)."""
+    then attention against attention_ref over the CPU's blocks dequantized (within float32 summation
+    order)."""
     from types import SimpleNamespace
 
     from edgellm.kv_cache import KVCache, build_layouts
@@ -184,7 +187,18 @@ def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
                quantize_kv_ref(ggml_type, k.reshape(n_tok * cfg.n_head_kv, -1)), True)
         yield (f"{label}: V blocks = quantize_kv_ref", gv[slots].reshape(n_tok * cfg.n_head_kv, -1),
                quantize_kv_ref(ggml_type, v.reshape(n_tok * cfg.n_head_kv, -1)), True)
-        yield f"{label}: attention = CPU backend's", outs["gpu"], outs["cpu"], False
+        # attention: the GPU reads the blocks dequantized to float32 (the CPU follows llama.cpp's flash
+        # attention instead: the query through 8 bits, integer dot products), so its twin is the float
+        # attention over the dequantized blocks, each token over its own sequence's keys
+        from gguf.quants import dequantize
+
+        kd = dequantize(c.k.reshape(-1, c.k.shape[-1]), ggml_type).reshape(*c.k.shape[:2], -1)
+        vd = dequantize(c.v.reshape(-1, c.v.shape[-1]), ggml_type).reshape(*c.v.shape[:2], -1)
+        lay = c.layout
+        want = np.concatenate([
+            attention_ref(q[t:t + 1], kd[keys], vd[keys], c.pos[keys], pos[t:t + 1], scale)
+            for t, keys in enumerate(lay.kmap[b:e] for b, e in zip(lay.kbeg, lay.kend))])
+        yield f"{label}: attention = the float twin over the CPU's blocks", outs["gpu"], want, False
 
 
 def rms_norm_ref(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -473,17 +487,19 @@ def test_linear_q8_ref_matches_the_cpu_backend_for_every_quant_type():
 
 
 def test_kv_quantizer_ref_equals_the_cpu_backends_cache_bytes():
-    """quantize_kv_ref is what the CPU backend's kv_store writes (gguf.quants.quantize, ggml's
-    reference quantizers), byte for byte, on the corners hard_kv plants; and known values."""
-    from gguf.quants import quantize
+    """quantize_kv_ref is what the CPU backend's kv_store writes (kernels.cpu.backend.quantize_kv_rows:
+    Q8_0 as x86's quantize_row_q8_0, Q4_0 as ggml's reference), byte for byte, on the corners hard_kv
+    plants; and known values."""
+    from edgellm.kernels.cpu.backend import quantize_kv_rows
 
     x = hard_kv(6, 64, np.random.default_rng(12))
     for kind, ggml_type in KV_QUANT_TYPES.items():
-        np.testing.assert_array_equal(quantize_kv_ref(ggml_type, x), quantize(x, ggml_type), err_msg=kind)
+        np.testing.assert_array_equal(quantize_kv_ref(ggml_type, x), quantize_kv_rows(x, ggml_type), err_msg=kind)
     q8 = quantize_kv_ref(GGMLType.Q8_0, x[2:3, :32])[0]
     assert q8[:2].view(np.float16)[0] == np.float16(1 / 64)
-    # x * 64 = -14.5 .. 15.5 rounds away from zero: -14.5 -> -15, -0.5 -> -1, 0.5 -> 1 (to even: -14, 0, 0)
-    np.testing.assert_array_equal(q8[3:].view(np.int8), [*range(-15, 0), *range(1, 17)])
+    # 127 / 64 -> 127; x * 64 = -14.5 .. 15.5 rounds half to even: -14.5 -> -14, -0.5 -> 0, 15.5 -> 16
+    # (away from zero, ggml's reference quantizer: -15, -1, 16)
+    np.testing.assert_array_equal(q8[2:].view(np.int8), [127, *[2 * (k // 2) - 14 for k in range(30)], 16])
     q4 = quantize_kv_ref(GGMLType.Q4_0, x[1:4])  # (3 rows, 2 blocks of 18 bytes)
     assert q4[0, :2].view(np.float16)[0] == np.float16(-6.25) and q4[0, 18:20].view(np.float16)[0] == 6.25
     nibbles = np.concatenate([q4[2, 2:18] & 15, q4[2, 2:18] >> 4])

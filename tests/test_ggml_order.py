@@ -260,3 +260,48 @@ def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, 
         for h in range(n_head):
             expect = _attention_reference(q[t, h], kc[mine, h // g], vc[mine, h // g], visible, dtype, 4)
             np.testing.assert_array_equal(out[t, h * hd:(h + 1) * hd], expect, err_msg=f"token {t} head {h}")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("window", [0, 8])
+def test_quantized_cache_attention_is_ggml_flash_attention_bit_for_bit(kind, window):
+    """A q8_0 / q4_0 cache is read as llama.cpp's CPU flash attention reads it (the query as Q8_0
+    blocks, integer block dot products, an online softmax): ops.attend_flash_quant (CPUBackend)
+    equals reference.flash_attn_quant (NumpyBackend, head by head) bit for bit; two sequences on a
+    paged cache, a prompt then a ragged step, GQA 2, hd_k 64 != hd_v 32, a sliding window."""
+    from types import SimpleNamespace
+
+    from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend
+    from edgellm.kv_cache import KVCache, build_layouts
+
+    cfg = SimpleNamespace(n_layer=1, n_head_kv=2, head_dim_k=64, head_dim_v=32, sliding_window=window,
+                          swa_layers=[window > 0])
+    n_head = 4
+    backends = {"numba": CPUBackend(threads=2), "numpy": NumpyBackend()}
+    caches = {d: KVCache(cfg, [b], n_ctx=48, n_batch=32, n_seq=2, kv_type=kind) for d, b in backends.items()}
+    seqs = {d: (c.new_sequence(), c.new_sequence()) for d, c in caches.items()}
+    rng = np.random.default_rng(5)
+    for step in ([(0, 21)], [(0, 1), (1, 5)], [(0, 1), (1, 1)]):
+        n_tok = sum(n for _, n in step)
+        k = (rng.standard_normal((n_tok, 2, 64)) * 2).astype(np.float32)
+        v = rng.standard_normal((n_tok, 2, 32)).astype(np.float32)
+        q = (rng.standard_normal((n_tok, n_head, 64)) * 3).astype(np.float32)
+        outs = {}
+        for d, cache in caches.items():
+            entries = []
+            for i, n in step:
+                seq = seqs[d][i]
+                assert seq.grow(n)
+                entries.append((seq, np.arange(seq.n_past, seq.n_past + n, dtype=np.int64)))
+            lk = cache.layers[0]
+            lk.layout = build_layouts(cache, entries)[0]
+            pos = np.concatenate([p for _, p in entries])
+            out = np.full((n_tok, n_head * 32), np.nan, np.float32)
+            backends[d].kv_store(lk, k, v, pos)
+            backends[d].attention(q, lk, pos, 0.125, out)
+            outs[d] = out
+            for (seq, _), (_, n) in zip(entries, step):
+                seq.commit(np.zeros(n, np.int64))
+        np.testing.assert_array_equal(caches["numba"].layers[0].k, caches["numpy"].layers[0].k)
+        assert np.isfinite(outs["numpy"]).all()
+        np.testing.assert_array_equal(outs["numba"], outs["numpy"], err_msg=f"{kind} step {step}")

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 
 import numpy as np
+from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout, qkv_attention_by_ops
 from edgellm.gguf_file import TensorInfo
@@ -22,17 +23,23 @@ from edgellm.gguf_file import TensorInfo
 F32 = np.float32
 
 
-def kv_rows(kv, keys: np.ndarray):
-    """K and V of the slots `keys` (T, n_kv, hd): the cache's own arrays, or for a block-quantized
-    cache its values dequantized to float32."""
-    quant = getattr(kv, "quant", None)
-    if quant is None:
-        return kv.k[keys], kv.v[keys]
-    from gguf.quants import dequantize
+def quantize_kv_rows(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """uint8 (rows, row bytes): x's last axis as blocks of a quantized cache, with the quantizer
+    llama.cpp's CPU backend writes its cache with (ggml's set_rows takes the type's CPU from_float):
+    Q8_0 the x86 one (id = 127 / amax, round half to even: the CPU's q8_32 activation format),
+    Q4_0 ggml's reference (it has no other)."""
+    rows = np.ascontiguousarray(x, F32).reshape(-1, x.shape[-1])
+    if ggml_type == GGMLType.Q8_0:
+        from edgellm.kernels import cpu
 
-    k, v = kv.k[keys], kv.v[keys]
-    return (dequantize(k.reshape(-1, k.shape[-1]), quant.ggml_type).reshape(k.shape[0], k.shape[1], -1),
-            dequantize(v.reshape(-1, v.shape[-1]), quant.ggml_type).reshape(v.shape[0], v.shape[1], -1))
+        xq, xd = cpu.quantize("q8_32", rows.reshape(-1)).parts[:2]
+        blocks = np.empty((xd.size, 34), np.uint8)
+        blocks[:, :2] = xd.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:] = xq.view(np.uint8).reshape(-1, 32)
+        return blocks.reshape(rows.shape[0], -1)
+    from gguf.quants import quantize
+
+    return quantize(rows, ggml_type)
 
 
 class NumpyBackend(Backend):
@@ -129,11 +136,9 @@ class NumpyBackend(Backend):
     def kv_store(self, kv: KVLayer, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
         slots = kv.slots(pos)
         quant = getattr(kv, "quant", None)
-        if quant is not None:  # each head's values quantized as one row of blocks (ggml's reference)
-            from gguf.quants import quantize
-
-            k = quantize(np.ascontiguousarray(k, F32).reshape(-1, k.shape[-1]), quant.ggml_type).reshape(kv.k[slots].shape)
-            v = quantize(np.ascontiguousarray(v, F32).reshape(-1, v.shape[-1]), quant.ggml_type).reshape(kv.v[slots].shape)
+        if quant is not None:  # each head's values quantized as one row of blocks, as llama.cpp's CPU does
+            k = quantize_kv_rows(k, quant.ggml_type).reshape(kv.k[slots].shape)
+            v = quantize_kv_rows(v, quant.ggml_type).reshape(kv.v[slots].shape)
         kv.k[slots] = k
         kv.v[slots] = v
         kv.pos[slots] = pos
@@ -145,12 +150,33 @@ class NumpyBackend(Backend):
         over the cache; out (n_tok, n_head * hd_v). Each token attends to its key list (the step
         layout): alone (ggml's one-token order) or with the other tokens of its chunk (the batch
         order)."""
+        if getattr(kv, "quant", None) is not None:  # llama.cpp reads these through flash attention
+            return self._attention_flash_quant_ref(q, kv, pos, scale, out)
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         groups = [(t, t + 1) for t in range(n_single)] + list(chunks)
         for t0, t1 in groups:
             keys = kmap[kbeg[t0]:kend[t0]]
-            kc, vc = kv_rows(kv, keys)
+            kc, vc = kv.k[keys], kv.v[keys]
             self._attend(q[t0:t1], kc, vc, kv.pos[keys], pos[t0:t1], kv.window, scale, out[t0:t1])
+
+    def _attention_flash_quant_ref(self, q, kv, pos, scale, out) -> None:
+        """A q8_0 / q4_0 cache: ggml's CPU flash attention, head by head (reference.flash_attn_quant)."""
+        from edgellm.kernels import cpu
+        from edgellm.kernels.cpu import reference as ref
+
+        kmap, kbeg, kend, _, _ = attention_layout(kv, q.shape[0])
+        n_tok, n_head, _ = q.shape
+        g = n_head // kv.k.shape[1]
+        hdv = out.shape[1] // n_head
+        q4 = kv.quant.ggml_type == GGMLType.Q4_0
+        for t in range(n_tok):
+            keys = kmap[kbeg[t]:kend[t]]
+            kp = kv.pos[keys]
+            keys = keys[(kp >= 0) & (kp <= pos[t]) & ((kv.window <= 0) | (pos[t] - kp < kv.window))]
+            for h in range(n_head):
+                xq, xd = cpu.quantize("q8_32", np.ascontiguousarray(q[t, h], F32)).parts[:2]
+                out[t, h * hdv:(h + 1) * hdv] = ref.flash_attn_quant(xq, xd, kv.k[keys, h // g], kv.v[keys, h // g],
+                                                                     q4, q4, scale)
 
     def _attend(self, q, kc, vc, kpos, pos, window, scale, out) -> None:
         """q (n_tok, n_head, hd_k) over the keys kc, vc (T, n_kv, hd) at positions kpos (-1: empty).
@@ -321,7 +347,7 @@ class CPUBackend(NumpyBackend):
 
     def attention(self, q, kv, pos, scale, out) -> None:
         if getattr(kv, "quant", None) is not None:
-            return self._attention_dequantized(q, kv, pos, scale, out)
+            return self._attention_flash_quant(q, kv, pos, scale, out)
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
@@ -345,24 +371,19 @@ class CPUBackend(NumpyBackend):
             vt[:, :, :used] = vv.transpose(1, 2, 0)
             self.ops.attend_batch(q[t0:t1], kk, vt, kp, used, pos[t0:t1], kv.window, scale, out[t0:t1], z)
 
-    def _attention_dequantized(self, q, kv, pos, scale, out) -> None:
-        """A block-quantized cache: each sequence's keys and values dequantized to float32, then the
-        float32 kernels (a token alone: the one-token order; a chunk: the batch order)."""
-        kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
-        z = F32(0)
-        for t0, t1 in [(t, t + 1) for t in range(n_single)] + list(chunks):
-            keys = kmap[kbeg[t0]:kend[t0]]
-            kc, vc = kv_rows(kv, keys)
-            kp = np.ascontiguousarray(kv.pos[keys])
-            n = len(keys)
-            if t1 - t0 == 1:
-                idx = np.arange(n, dtype=np.int64)
-                self.ops.attend_ggml(q[t0:t1], kc, vc, kp, idx, np.zeros(1, np.int64), np.full(1, n, np.int64),
-                                     pos[t0:t1], kv.window, F32(scale), 4, out[t0:t1], z)
-            else:
-                vt = np.zeros((vc.shape[1], vc.shape[2], -(-n // 8) * 8), F32)
-                vt[:, :, :n] = vc.transpose(1, 2, 0)
-                self.ops.attend_batch(q[t0:t1], kc, vt, kp, n, pos[t0:t1], kv.window, F32(scale), out[t0:t1], z)
+    def _attention_flash_quant(self, q, kv, pos, scale, out) -> None:
+        """A q8_0 / q4_0 cache as llama.cpp reads one: its CPU flash attention, in its order
+        (ops.attend_flash_quant; the queries as Q8_0 blocks, the keys' integer block dot products,
+        an online softmax, the values dequantized row by row)."""
+        from edgellm.kernels import cpu
+
+        kmap, kbeg, kend, _, _ = attention_layout(kv, q.shape[0])
+        n_tok, n_head, hd = q.shape
+        xq, xd = cpu.quantize("q8_32", np.ascontiguousarray(q, F32).reshape(-1)).parts[:2]
+        q4 = kv.quant.ggml_type == GGMLType.Q4_0
+        self.ops.attend_flash_quant(xq.reshape(n_tok, n_head, hd), xd.reshape(n_tok, n_head, hd // 32), kv.k, kv.v,
+                                    q4, q4, kv.pos, kmap, kbeg, kend, np.asarray(pos, np.int64), kv.window,
+                                    F32(scale), out)
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:

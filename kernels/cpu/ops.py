@@ -461,3 +461,91 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
                 for j in range(n_vis):
                     s[j] = _load(_store(s[j] * inv, z))
                 pv_t(vf, kh * uhdv * U(n_pad), U(n_pad), s, U(n_vis), uhdv, of, (U(t) * U(n_head) + h) * uhdv)
+
+
+# --- flash attention over a block-quantized cache, in ggml's order ---------------------------------
+# llama.cpp runs a q8_0 / q4_0 cache through its flash-attention op (it needs it for a quantized V).
+# On the CPU (ggml_compute_forward_flash_attn_ext_f16_one_chunk, the path for quantized K and V) each
+# query row is converted to K's dot type (Q8_0 blocks, quantize_row_q8_0), then for every visible key
+# in cache order: s = vec_dot_{q8_0,q4_0}_q8_0(k, q) * scale (per block: d_k * d_q times the block's
+# eight int32 sums of four products, accumulated by fma into eight float lanes, hsum_float_8 at the
+# end); an online softmax (a new maximum M scales the sum of values by expf(Mold - M), else the value
+# is weighted by expf(s - M)); the value row dequantized to float32 and added by fma; S = S * ms + vs;
+# finally the sum of values times 1 / S.
+@njit(inline="always")
+def _cache_f16(row, o):
+    return _load(np.uint16(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))))
+
+
+@njit(inline="always")
+def _cache_q(row, o, e, q4):
+    """Value e (0..31) of the block at byte o of a q8_0 (q4 False) or q4_0 (True) row, as an int."""
+    if q4:
+        byte = np.int32(row[o + 2 + (e & 15)])
+        return ((byte >> 4) if e >= 16 else (byte & 15)) - 8
+    return np.int32(np.int8(row[o + 2 + e]))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_flash_quant(qq, qd, kc, vc, k_q4, v_q4, kpos, kmap, kbeg, kend, pos, window, scale, out):
+    """out (n_tok, n_head * hdv) float32 = ggml's CPU flash attention over a block-quantized cache.
+    qq int8 (n_tok, n_head, hd) and qd float32 (n_tok, n_head, hd / 32): the queries as Q8_0 blocks
+    (kernels.cpu.quantize "q8_32": the d already rounded to f16); kc, vc uint8 (n_slots, n_kv,
+    row bytes): the cache's q8_0 (34-byte) or q4_0 (18-byte, k_q4 / v_q4) blocks; token t attends
+    to the slots kmap[kbeg[t]:kend[t]] in that order, skipping keys it may not see."""
+    n_tok, n_head, hd = qq.shape
+    n_kv = kc.shape[1]
+    g = n_head // n_kv
+    kbytes = 18 if k_q4 else 34
+    vbytes = 18 if v_q4 else 34
+    nbk = hd // 32
+    nbv = vc.shape[2] // vbytes
+    hdv = nbv * 32
+    for th in prange(n_tok * n_head):
+        t = th // n_head
+        h = th - t * n_head
+        kh = h // g
+        p = pos[t]
+        lanes = np.empty(8, F32)
+        vkq = np.zeros(hdv, F32)
+        m = NEG_INF
+        s_sum = F32(0.0)
+        for j in range(kbeg[t], kend[t]):
+            slot = kmap[j]
+            kp = kpos[slot]
+            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                continue
+            krow = kc[slot, kh]
+            for li in range(8):
+                lanes[li] = F32(0.0)
+            for b in range(nbk):
+                o = b * kbytes
+                d = _cache_f16(krow, o) * qd[t, h, b]
+                for li in range(8):
+                    isum = np.int32(0)
+                    for i in range(4):
+                        e = 4 * li + i
+                        isum += _cache_q(krow, o, e, k_q4) * np.int32(qq[t, h, 32 * b + e])
+                    lanes[li] = fma32(d, F32(isum), lanes[li])
+            s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+            s = s * scale
+            ms = F32(1.0)
+            vs = F32(1.0)
+            if s > m:
+                m_old = m
+                m = s
+                ms = np.exp(F32(m_old - m))
+                for d_ in range(hdv):
+                    vkq[d_] = vkq[d_] * ms
+            else:
+                vs = np.exp(F32(s - m))
+            vrow = vc[slot, kh]
+            for b in range(nbv):
+                o = b * vbytes
+                dv = _cache_f16(vrow, o)
+                for e in range(32):
+                    vkq[32 * b + e] = fma32(F32(_cache_q(vrow, o, e, v_q4)) * dv, vs, vkq[32 * b + e])
+            s_sum = fma32(s_sum, ms, vs)
+        inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
+        for d_ in range(hdv):
+            out[t, h * hdv + d_] = vkq[d_] * inv

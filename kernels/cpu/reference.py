@@ -301,3 +301,62 @@ def rowdot_tiled(ggml_type: str, raw, xq, xd, xs) -> np.ndarray:
             res = fma(-dmin, (mn * xs[16 * b:16 * b + 16].astype(np.int64)).sum(1).astype(F32), res)
         acc = fma(res, xd[b], acc)
     return acc
+
+
+def _expf():
+    """The C library's expf (what Numba's float32 exp calls, and ggml's flash attention)."""
+    import ctypes
+    import ctypes.util
+    import math
+
+    name = ctypes.util.find_library("m")
+    if name is None:  # no separate libm: float64 exp rounded once (equal but at rounding ties)
+        return lambda x: F32(math.exp(float(x)))
+    f = ctypes.CDLL(name).expf
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lambda x: F32(f(float(x)))
+
+
+def kv_block_values(blocks: np.ndarray, q4: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of q8_0 (34-byte) or q4_0 (18-byte) cache blocks, uint8 (rows, row bytes) -> the int32
+    values (rows, n) and float32 scales (rows, n / 32)."""
+    b = blocks.reshape(blocks.shape[0], -1, 18 if q4 else 34)
+    d = np.ascontiguousarray(b[:, :, :2]).view(np.float16)[..., 0].astype(F32)
+    if q4:
+        qs = b[:, :, 2:].astype(np.int32)
+        vals = np.concatenate([qs & 15, qs >> 4], axis=2) - 8
+    else:
+        vals = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).astype(np.int32)
+    return vals.reshape(b.shape[0], -1), d
+
+
+def flash_attn_quant(qq: np.ndarray, qd: np.ndarray, keys: np.ndarray, values: np.ndarray, k_q4: bool,
+                     v_q4: bool, scale) -> np.ndarray:
+    """float32 (hdv,): one head of one token through ggml's CPU flash attention over its visible keys,
+    in order (ops.attend_flash_quant's reference). qq int8 (hd,) / qd float32 (hd / 32,): the query
+    as Q8_0 blocks; keys / values uint8 (n, row bytes): the cache rows."""
+    expf = _expf()
+    kq, kd = kv_block_values(keys, k_q4)
+    n = kq.shape[0]
+    acc = np.zeros((n, 8), F32)
+    for b in range(kd.shape[1]):  # vec_dot_{q8_0,q4_0}_q8_0: d_k * d_q times 8 lanes of 4 products
+        d = (kd[:, b] * qd[b]).astype(F32)
+        isum = (kq[:, 32 * b:32 * b + 32] * qq[32 * b:32 * b + 32].astype(np.int32)).reshape(n, 8, 4).sum(-1)
+        acc = fma(d[:, None], isum.astype(F32), acc)
+    s = (hsum8(acc) * F32(scale)).astype(F32)
+    vq, vd = kv_block_values(values, v_q4)
+    v = (vq.astype(F32).reshape(n, -1, 32) * vd[:, :, None]).astype(F32).reshape(n, -1)
+    m, total = F32(-np.inf), F32(0.0)
+    out = np.zeros(v.shape[1], F32)
+    for j in range(n):  # the online softmax
+        ms = vs = F32(1.0)
+        if s[j] > m:
+            m_old, m = m, s[j]
+            ms = expf(m_old - m)
+            out = (out * ms).astype(F32)
+        else:
+            vs = expf(s[j] - m)
+        out = fma(v[j], vs, out)
+        total = fma(total, ms, vs)
+    inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
+    return (out * inv).astype(F32)

@@ -9,9 +9,10 @@ for a prompt batch it takes the 8-bit activations back to float32 (d * q, as the
 does), dequantizes the matrix into one reused float32 buffer of at most DEQUANT_BUFFER_BYTES (a larger
 matrix, such as a 262144-row output head, a slice of rows at a time) and calls cupy.matmul (cuBLAS).
 Activations are float32; the KV cache is float16 by default. A block-quantized cache (q8_0 / q4_0) is
-written by kv_quant.cu in the CPU backend's bytes, and attention reads it as the CPU does: each
-sequence's keys and values dequantized to float32 (the dequantize kernels of those weight types), then
-the float32 attention kernel.
+written by kv_quant.cu in the CPU backend's bytes; attention dequantizes each sequence's keys and
+values to float32 (the dequantize kernels of those weight types), then runs the float32 attention
+kernel (the CPU follows llama.cpp's flash-attention order instead: the query through 8 bits, integer
+block dot products; the two agree to rounding, not bit for bit).
 
 CuPy is imported when a CudaBackend is made, never when this module is imported.
 """
@@ -405,7 +406,7 @@ class CudaBackend(Backend):
             keys_d = self.cp.asarray(keys)
             kpos_d = self.cp.asarray(kv.pos[keys].astype(np.int32))
             k, v = kv.k[keys_d], kv.v[keys_d]
-            if quant is not None:  # the CPU's kv_rows: the blocks dequantized to float32
+            if quant is not None:  # the blocks dequantized to float32, then the float32 kernel
                 k, v = self._dequantize_rows(quant.ggml_type, k), self._dequantize_rows(quant.ggml_type, v)
             self._attend(q[t0:t1], k, v, kpos_d, len(keys), pos[t0:t1], kv.window, scale, out[t0:t1])
 

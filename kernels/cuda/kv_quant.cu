@@ -1,8 +1,10 @@
 // K and V written into a block-quantized KV cache (llama.cpp's -ctk/-ctv q8_0 | q4_0), in exactly the
-// bytes the CPU backend stores (kernels/cpu/backend.py kv_store: gguf.quants.quantize, which is
-// ggml's reference quantize_row_*_ref), so a GPU layer's cache equals a CPU layer's for the same K/V:
-//   q8_0  d: f16 | qs: i8[32];   amax = max |x|, d = amax / 127, id = 1 / d (0 when d == 0),
-//         q = round-half-away-from-zero(x * id)                      (roundf, not __float2int_rn)
+// bytes the CPU backend stores (kernels/cpu/backend.py quantize_kv_rows: what llama.cpp's CPU
+// writes: x86's quantize_row_q8_0, ggml's reference quantize_row_q4_0_ref), so a GPU layer's cache
+// equals a CPU layer's for the same K/V:
+//   q8_0  d: f16 | qs: i8[32];   amax = max |x|, d = amax / 127, id = 127 / amax (0 when amax == 0),
+//         q = round-half-to-even(x * id)     (x86's quantize_row_q8_0, which llama.cpp's CPU writes
+//         its cache with; ggml's reference, 1 / d and roundf, differs in the last bit of id and at ties)
 //   q4_0  d: f16 | qs: u8[16];   v = the value of largest magnitude (the first one), d = v / -8,
 //         id = 1 / d (0 when d == 0), q = min(15, trunc(x * id + 8.5)); byte j holds q[j] in its
 //         low nibble and q[j + 16] in its high nibble
@@ -38,9 +40,9 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ x, u8* __rest
     const float v = x[b * QK + lane];
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     u8* blk = block_at(cache, slots, b, blocks_per_tok, 2 + QK);
-    blk[2 + lane] = (u8)(signed char)(int)roundf(v * id);
+    blk[2 + lane] = (u8)(signed char)__float2int_rn(v * id);
     if (lane == 0) store_f16(blk, d);
 }
 
