@@ -107,11 +107,11 @@ def test_hybrid_quantized_kv_matches_cpu(emulate, smollm2_path, gemma3_path, mod
     """A q8_0 KV cache with half the layers on the GPU (kv_quant.cu stores the CPU's bytes, attention
     reads them dequantized) against the CPU-only run with the same q8_0 cache: the bounds of the f16
     half-layer runs above, the same first greedy token, and the GPU's KV bytes exactly the plan's.
-    Measured (the rotation before the cache summed in float64 on both sides, so the runs no longer
-    move with the thread count): SmolLM2 (15 GPU layers) top-1 0.948, mean KL 2.8e-3, greedy tokens
-    [357, 2163, 253] against the CPU's [357, 436, 787]; Gemma-3 (9) top-1 0.949, KL 4.6e-3, all three
-    equal — the scale of the f16 cache's half-layer runs (SmolLM2 0.948, 2.7e-3), the same rounding
-    flips."""
+    Measured (the CPU reading the cache in llama.cpp's flash-attention order, the GPU dequantizing it
+    into its float32 kernel; the rotation deterministic on both): SmolLM2 (15 GPU layers) top-1 0.948,
+    mean KL 3.1e-3; Gemma-3 (9) top-1 0.898, KL 4.3e-3; the three greedy tokens equal on both (with
+    the earlier dequantizing CPU path SmolLM2's diverged at the second) — the scale of the f16 cache's
+    half-layer runs (SmolLM2 0.948, 2.7e-3), the same rounding flips."""
     path = smollm2_path if model == "smollm2" else gemma3_path
     m_cpu, want_logits, want_tokens = run(path, 0, kv_type="q8_0")
     n_gpu = m_cpu.config.n_layer // 2
