@@ -470,8 +470,8 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
 # in cache order: s = vec_dot_{q8_0,q4_0}_q8_0(k, q) * scale (per block: d_k * d_q times the block's
 # eight int32 sums of four products, accumulated by fma into eight float lanes, hsum_float_8 at the
 # end); an online softmax (a new maximum M scales the sum of values by expf(Mold - M), else the value
-# is weighted by expf(s - M)); the value row dequantized to float32 and added by fma; S = S * ms + vs;
-# finally the sum of values times 1 / S.
+# is weighted by expf(s - M)); the value row dequantized to float32 and added by fma; S = S * ms + vs
+# as one fma (the compiler contracts it; without that the logits differ); finally the values times 1 / S.
 @njit(inline="always")
 def _cache_f16(row, o):
     return _load(np.uint16(np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))))
