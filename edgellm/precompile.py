@@ -86,17 +86,13 @@ class CompileProgress:
 def step_groups(model, cfg) -> list[list[tuple]]:
     """The warm-up's steps (edgellm.runtime.warm_up_steps) of an all-CPU model of one sequence,
     split into groups that compile disjoint kernels (as far as the kernels' argument types tell):
-    decode steps by their layer's tensor types, and the prompt steps with the head. Largest first."""
-    from edgellm.runtime import layer_kinds, warm_up_steps
+    the decode step (every layer kind in one fused call), and the prompt steps with the head.
+    Largest first."""
+    from edgellm.runtime import warm_up_steps
 
-    devices = ["cpu"] * cfg.n_layer
-    types_of = {il: tuple(t for t, _ in kind[0]) for kind, il in layer_kinds(model, cfg, devices).items()}
     groups: dict = {}
-    for step in warm_up_steps(model, cfg, devices, "cpu", n_seq=1):
-        if step[0] == "block" and step[2] == 1:
-            groups.setdefault(("decode", types_of[step[1]]), []).append(step)
-        else:
-            groups.setdefault(("prompt",), []).append(step)
+    for step in warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1):
+        groups.setdefault("decode" if step[0] == "layers" else "prompt", []).append(step)
     return sorted(groups.values(), key=len, reverse=True)
 
 
@@ -270,7 +266,8 @@ def _worker(path: str, kv_type: str, share: list) -> int:
 
     with cpu.kernels.compile_listener(on_compile):
         for step in share:
-            run_warm_up_step(tuple(step), cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
+            step = tuple(tuple(s) if isinstance(s, list) else s for s in step)  # (JSON made the layers a list)
+            run_warm_up_step(step, cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
             print("step", flush=True)
     return 0
 

@@ -49,30 +49,47 @@ def layer_kinds(model, cfg, layer_devices) -> dict:
 
 def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int) -> list[tuple]:
     """The warm-up's steps: ("block", il, n_tok, last_only) for one CPU layer of each kind (a prompt
-    batch; on the last layer the same batch with only its last row going on; one token; with
-    n_seq > 1 a decode step of several sequences), then ("head", n_tok) for the output head's
+    batch; on the last layer the same batch with only its last row going on; with n_seq > 1 a decode
+    step of several sequences), one token through the layers: ("layers", (il, ...), 1), one layer
+    of each kind in one fused call as a decode step of an all-CPU model runs them (the kernel
+    variant of all their types together), or ("block", il, 1, False) per kind when some layers are
+    on the GPU (the CPU layers then decode one by one); then ("head", n_tok) for the output head's
     products when they run on the CPU."""
     last = len(layer_devices) - 1
-    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True), (1, False)] + ([(SEQS_TOKENS, False)] if n_seq > 1 else [])
+    all_cpu = all(d == "cpu" for d in layer_devices)
+    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + (
+        [(SEQS_TOKENS, False)] if n_seq > 1 else [])
+    kinds = tuple(layer_kinds(model, cfg, layer_devices).values())
     steps = []
-    for il in layer_kinds(model, cfg, layer_devices).values():
+    for il in kinds:
         for n, last_only in batches:
             if not last_only or il == last:
                 steps.append(("block", il, n, last_only))
+    if all_cpu and kinds:
+        steps.append(("layers", kinds, 1))
     if output_device == "cpu" and hasattr(model.output, "ggml_type"):
         steps += [("head", n) for n in (PROMPT_TOKENS, 1) + ((SEQS_TOKENS,) if n_seq > 1 else ())]
     return steps
 
 
 def run_warm_up_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
-    """One warm-up step on scratch buffers: a block on a 16-slot scratch cache of kv_dtype (reading
-    only that layer's weights), or the head's products on 8 of its rows."""
+    """One warm-up step on scratch buffers: blocks on 16-slot scratch caches of kv_dtype (reading
+    only those layers' weights), or the head's products on 8 of its rows."""
+    def scratch_kv(il):
+        window = cfg.sliding_window if cfg.swa_layers[il] else 0
+        return cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, kv_dtype, window)
+
     if step[0] == "block":
         _, il, n, last_only = step
-        window = cfg.sliding_window if cfg.swa_layers[il] else 0
-        kv = cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, kv_dtype, window)
         x = model.embed(np.zeros(n, np.int64))
-        model.block(il, cpu, x, np.arange(n, dtype=np.int64), kv, rows=slice(n - 1, n) if last_only else None)
+        model.block(il, cpu, x, np.arange(n, dtype=np.int64), scratch_kv(il), rows=slice(n - 1, n) if last_only else None)
+    elif step[0] == "layers":
+        _, layers, n = step
+        kvs = [scratch_kv(il) for il in layers]
+        pos = np.arange(n, dtype=np.int64)
+        if not model.decode_all(model.embed(np.zeros(n, np.int64)), pos, kvs, layers=list(layers)):
+            for il, kv in zip(layers, kvs):  # the unfused ops, layer by layer
+                model.block(il, cpu, model.embed(np.zeros(n, np.int64)), pos, kv)
     else:
         _, n = step
         w = model.output
@@ -181,14 +198,21 @@ class Runtime:
         cur = self.backends["cpu"]
         timing.add("cpu", time.perf_counter() - t0)
         last = len(self.model.layer_backends) - 1
-        for il, b in enumerate(self.model.layer_backends):
-            if b is not cur:
-                x = self._cross(x, cur, b)
-                cur = b
-            t0 = time.perf_counter()
-            x = self.model.block(il, b, x, pos, self.kv[il], rows=rows if il == last else None)
-            b.synchronize()
-            timing.add(b.device, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if last >= 0 and self.layer_devices[0] == "cpu" and self.model.decode_all(x, pos, self.kv):
+            # decode tokens through every layer in one kernel call (all layers on the CPU)
+            timing.add("cpu", time.perf_counter() - t0)
+            if rows is not None:
+                x = x[rows]
+        else:
+            for il, b in enumerate(self.model.layer_backends):
+                if b is not cur:
+                    x = self._cross(x, cur, b)
+                    cur = b
+                t0 = time.perf_counter()
+                x = self.model.block(il, b, x, pos, self.kv[il], rows=rows if il == last else None)
+                b.synchronize()
+                timing.add(b.device, time.perf_counter() - t0)
         if last < 0 and rows is not None:
             x = x[rows]
         ob = self.model.output_backend

@@ -110,6 +110,32 @@ class Decoder:
         self._scratch[key] = s  # most recently used last
         return s
 
+    def decode_all(self, x, pos: np.ndarray, kvs, layers=None) -> bool:
+        """Every block (or the blocks `layers`, with caches kvs) for n decode tokens (one per
+        sequence, each attending alone) in one call of the layers' backend (`decode_layers`), x
+        (n, n_embd) updated in place: the same bits as `block` layer by layer. False, having done
+        nothing, when the layers are not all on one backend that offers it, or it declines (a type
+        or cache without the fused kernels)."""
+        if layers is None:
+            blocks, backends, ropes = self.blocks, self.layer_backends, self.__dict__.get("_ropes")
+            if ropes is None:
+                ropes = self._ropes = [self.rope_params(il) for il in range(len(self.blocks))]
+        else:
+            blocks, backends = [self.blocks[il] for il in layers], [self.layer_backends[il] for il in layers]
+            ropes = [self.rope_params(il) for il in layers]
+        b = backends[0] if backends else None
+        decode_layers = getattr(b, "decode_layers", None)
+        n = x.shape[0]
+        lay = getattr(kvs[0], "layout", None) if kvs else None
+        if (decode_layers is None or any(lb is not b for lb in backends)
+                or not (n == 1 or (n <= ALONE_MAX and getattr(lay, "n_single", 0) == n))):
+            return False
+        cfg = self.cfg
+        q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
+        return decode_layers(blocks, x, pos, kvs, self.scratch(b, n), ropes=ropes, eps=cfg.rms_eps,
+                             n_rot=cfg.n_rot, neox=self.ROPE_NEOX, scale=att_scale,
+                             gelu=self.ACTIVATION == "gelu", q_scale=q_scale)
+
     def block(self, il: int, b, x, pos: np.ndarray, kv, rows=None):
         """One transformer block on backend b, x (n_tok, n_embd) updated in place; returns x, or
         with `rows` the rows that went on.

@@ -37,11 +37,11 @@ def synthetic(tmp_path_factory):
     return make
 
 
-def runtime(path, backends, layers=None, output="cpu", n_ctx=64, n_batch=16):
+def runtime(path, backends, layers=None, output="cpu", n_ctx=64, n_batch=16, n_seq=1):
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     layers = tuple(layers or ["cpu"] * cfg.n_layer)
-    plan = make_plan(gf, cfg, gpu_layers=0, n_ctx=n_ctx, n_batch=n_batch, kv_type="f16")
+    plan = make_plan(gf, cfg, gpu_layers=0, n_ctx=n_ctx, n_batch=n_batch, kv_type="f16", n_seq=n_seq)
     plan = replace(plan, layers=layers, output_device=output, n_gpu_layers=layers.count("gpu"))
     return Runtime(gf, cfg, plan, backends)
 
@@ -116,6 +116,7 @@ def test_chunked_ffn_is_the_one_call_ffn_bit_for_bit(synthetic, monkeypatch, qty
 
 class UnfusedCPU(CPUBackend):
     decode_block = None  # the decoder then runs every op of a block on its own
+    decode_layers = None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
@@ -151,6 +152,47 @@ def test_fused_decode_block_with_mixed_types_is_the_unfused_ops_bit_for_bit(tmp_
     b = np.stack([plain.eval([t]) for t in TOKENS])
     assert sum(p is not False for p in fused_backend._fused.values()) == SHAPE["n_layer"]  # it ran fused
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_one_fused_call_for_every_layer_is_the_layers_one_by_one(tmp_path, arch):
+    """A decode step runs every layer in one decode_layers call (the Python between the blocks
+    gone): three sequences decoded together give the bits of the layers' fused calls one by one.
+    Gemma-3 with 6 layers and a window of 8 has both cache groups (five sliding layers, one
+    global) and both RoPE tables; the prompts outgrow the window. Mixed legacy and K-quant types."""
+    from edgellm.fetch import ROLES
+
+    shape = {**SHAPE, "n_layer": 6}
+    types = {f"blk.{i}.{r}.weight": T[t] for i in range(6) for r, t in zip(ROLES, MIXED[i % 3])}
+    path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T.Q8_0, seed=5, tensor_types=types,
+                                sliding_window=8, **shape)
+    prompts = [TOKENS[:5], (TOKENS * 2)[3:30], (TOKENS * 2)[1:39]]  # the sliding layers drop their first blocks
+    runs = {}
+    for mode in ("one call", "layer by layer"):
+        cpu = CPUBackend()
+        rt = runtime(path, {"cpu": cpu}, n_ctx=64, n_batch=16, n_seq=3)
+        if arch == "gemma3":
+            assert len(rt.cache.groups) == 2 and len(set(rt.model.rope_params(il) for il in range(6))) == 2
+        calls = []
+        if mode == "layer by layer":
+            rt.model.decode_all = lambda *a: False
+        else:
+            real = rt.model.decode_all
+            rt.model.decode_all = lambda *a: calls.append((a[0].shape[0], real(*a))) or calls[-1][1]
+        seqs = [rt.cache.new_sequence() for _ in prompts]
+        for seq, p in zip(seqs, prompts):
+            assert seq.grow(len(p))
+            rt.forward([(seq, np.array(p))], rows=[len(p) - 1])
+        out = []
+        for step in range(6):
+            for seq in seqs:
+                assert seq.grow(1)
+            out.append(rt.forward([(seq, np.array([TOKENS[step + i]])) for i, seq in enumerate(seqs)], rows=[0, 1, 2]))
+        runs[mode] = np.stack(out)
+        if mode == "one call":
+            assert calls[3:] == [(3, True)] * 6  # the prompts (one call each) take the batch path
+            assert any(p is not False and len(p.table) == 6 for p in cpu._stacks.values())
+    np.testing.assert_array_equal(runs["one call"], runs["layer by layer"])
 
 
 def test_sliding_window_keeps_only_the_window(synthetic):
@@ -272,11 +314,20 @@ def test_twelve_decode_tokens_of_legacy_types_go_through_the_fused_block_bit_for
     rt = runtime(path, {"cpu": cpu}, n_ctx=256, n_batch=16)
     alone, seqs = _alone_then_prefilled(rt, prompts)
     calls = []
-    real = cpu.fused_ops.decode_block
-    cpu._fused_ops = type("Spy", (), {"decode_block": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a)),
-                                      "ROW_TYPES": cpu.fused_ops.ROW_TYPES})()
+    real = cpu.fused_ops
+
+    class Spy:  # records (tokens, layers) of each fused call
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def decode_layers(*a):
+            calls.append((a[0].shape[0], a[11].shape[0]))
+            return real.decode_layers(*a)
+
+    cpu._fused_ops = Spy()
     together = rt.forward([(seq, np.array([5])) for seq in seqs], rows=list(range(12)))
-    assert calls == [12] * SHAPE["n_layer"]
+    assert calls == [(12, SHAPE["n_layer"])]  # one call: the 12 tokens through every layer
     np.testing.assert_array_equal(together, np.stack(alone))
 
 

@@ -22,7 +22,7 @@ def test_progress_is_one_line_on_a_pipe():
     out = io.StringIO()
     p = CompileProgress(out)
     p.steps(0, 7)
-    for name in ("matvec_q4_1", "decode_block", "rope"):
+    for name in ("matvec_q4_1", "decode_layers", "rope"):
         p(name)
         p.steps(1, 7)
     p.done()
@@ -62,13 +62,16 @@ def test_groups_split_decode_from_prompt(smollm2_path, gemma3_path):
 
     cfg, _, model = _open(str(smollm2_path), 1)
     groups = step_groups(model, cfg)
-    # SmolLM2: every layer has the same types, so one decode group (first and last layer), and
-    # the prompt group (first layer, last layer, last layer's last-token-only, head x2)
-    assert sorted(len(g) for g in groups) == [2, 5]
-    assert all(s[2] == 1 for s in min(groups, key=len))
+    # SmolLM2: every layer has the same types, so the decode group is one step (the first and
+    # the last layer in one fused call), and the prompt group (first layer, last layer, last
+    # layer's last-token-only, head x2)
+    assert sorted(len(g) for g in groups) == [1, 5]
+    assert min(groups, key=len) == [("layers", (0, cfg.n_layer - 1), 1)]
     cfg, _, model = _open(str(gemma3_path), 1)
     steps = [s for g in step_groups(model, cfg) for s in g]
-    assert len(steps) == len(set(steps)) and ("head", 1) in steps and any(s[:1] == ("block",) and s[2] == 1 for s in steps)
+    assert len(steps) == len(set(steps)) and ("head", 1) in steps
+    layers = [s for s in steps if s[0] == "layers"]  # a layer of each kind: both sliding kinds, global, last
+    assert len(layers) == 1 and layers[0][2] == 1 and {cfg.swa_layers[il] for il in layers[0][1]} == {True, False}
 
 
 @pytest.mark.real
@@ -109,7 +112,7 @@ real, numba_dir = Path(sys.argv[1]), Path(os.environ["NUMBA_CACHE_DIR"])
 def slow_download(m, target, *, quiet):
     # a download that lasts until the stand-in's decode kernel is in the disk cache (at most 20 min)
     deadline = time.monotonic() + 1200
-    while not any("decode_block" in p.name and p.suffix == ".nbi" for p in numba_dir.rglob("*")):
+    while not any("decode_layers" in p.name and p.suffix == ".nbi" for p in numba_dir.rglob("*")):
         assert time.monotonic() < deadline, "the stand-in compiled nothing during the download"
         time.sleep(0.5)
     print("decode kernel compiled during the download", file=sys.stderr, flush=True)
@@ -149,7 +152,8 @@ def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
         cfg, _, model = _open(str(path), 1)
         assert cfg.arch == known.stand_in.arch
         groups = step_groups(model, cfg)
-        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 9}
+        assert {s[2] for g in groups for s in g if s[0] == "block"} == {9}
+        assert [s[2] for g in groups for s in g if s[0] == "layers"] == [1]
         assert model.blocks[1].ffn_down.ggml_type == GGMLQuantizationType[known.stand_in.layers[-1][-1]]
 
 

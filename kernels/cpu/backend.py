@@ -241,6 +241,7 @@ class CPUBackend(NumpyBackend):
         self._ops = None
         self._bound: dict[int, tuple] = {}  # id(QMatrix) -> (the QMatrix, kernels' bound Matrix)
         self._fused: dict[int, object] = {}  # id(block weights) -> decode_block's arguments, or False
+        self._stacks: dict[tuple, object] = {}  # (blocks, caches, ropes) -> decode_layers' arguments, or False
         self._fused_ops = None
         self._act_buffers = None
 
@@ -272,6 +273,7 @@ class CPUBackend(NumpyBackend):
             model.output = head
         self._bound.clear()
         self._fused.clear()
+        self._stacks.clear()
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product): its
@@ -393,36 +395,125 @@ class CPUBackend(NumpyBackend):
         it gets through the block alone. Returns False, having done nothing, when the block needs
         the unfused ops: a weight type without a row kernel there, or a cache the kernels cannot
         read natively."""
-        plan = self._fused.get(id(L))
-        if plan is None:
-            plan = self._fused[id(L)] = self._fused_plan(L, kv)
+        return self.decode_layers([L], x, pos, [kv], s, ropes=[(freq_base, freq_scale)], eps=eps, n_rot=n_rot,
+                                  neox=neox, scale=scale, gelu=gelu, q_scale=q_scale)
+
+    def decode_layers(self, blocks, x, pos, kvs, s, *, ropes, eps, n_rot, neox, scale, gelu, q_scale=1.0) -> bool:
+        """decode_block for several blocks in order (a whole model's layers) in one kernel call:
+        blocks[i] with cache kvs[i] and RoPE (freq_base, freq_scale) ropes[i]. The same bits as the
+        blocks one by one; False, having done nothing, when one of them needs the unfused ops."""
+        key = (tuple(map(id, blocks)), tuple(map(id, kvs)), tuple(ropes))
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stack_plan(blocks, kvs, ropes)
+            if len(self._stacks) >= 32:  # plans of scratch caches the warm-up has let go of
+                self._stacks.clear()
+            self._stacks[key] = stack
         n = x.shape[0]
-        if plan is False or n > plan[5]:
+        if stack is False or n > stack.max_tokens:
             return False
-        kc, vc = kv.kernel_arrays()
-        checked = plan[3]  # id(scratch) -> (scratch, cache shapes, x shape) the block was checked against
-        seen = checked.get(id(s))
-        if seen is None or seen[0] is not s or seen[1] != kc.shape or seen[2] != vc.shape or seen[3] != x.shape:
+        seen = stack.checked.get(id(s))
+        if seen is None or seen[0] is not s or seen[1] != x.shape:
             from edgellm.validate import check_fused_block
 
-            check_fused_block(L, x, s, kc, vc)
-            if len(checked) >= 8:  # scratch sets the decoder has let go of
-                checked.clear()
-            checked[id(s)] = (s, kc.shape, vc.shape, x.shape)
-        cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
-        slots = kv.slots(pos)
-        if isinstance(kv, KVLayer):
-            kv.n_used = max(kv.n_used, int(slots.max()) + 1)
-        kmap, kbeg, kend, _, _ = attention_layout(kv, n)
-        n_head, n_kv = s.q.shape[1] // kc.shape[2], kc.shape[1]
-        weights, norms, tids, _, mask, _ = plan
-        self.fused_ops.decode_block(
+            for L, kv in zip(blocks, kvs):
+                check_fused_block(L, x, s, *kv.kernel_arrays())
+            if len(stack.checked) >= 8:  # scratch sets the decoder has let go of
+                stack.checked.clear()
+            stack.checked[id(s)] = (s, x.shape)
+        # the step's layout per group of layers sharing a cache layout
+        if len(stack.groups) == 1:
+            kv = stack.groups[0]
+            slots = kv.slots(pos)
+            if isinstance(kv, KVLayer):
+                kv.n_used = max(kv.n_used, int(slots.max()) + 1)
+            kmap, kbeg, kend, _, _ = attention_layout(kv, n)
+            slots, kbeg, kend = (np.ascontiguousarray(a, np.int64).reshape(1, n) for a in (slots, kbeg, kend))
+        else:
+            parts = []
+            off = 0
+            for kv in stack.groups:
+                sl = kv.slots(pos)
+                if isinstance(kv, KVLayer):
+                    kv.n_used = max(kv.n_used, int(sl.max()) + 1)
+                km, kb, ke, _, _ = attention_layout(kv, n)
+                parts.append((sl, km, kb + off, ke + off))
+                off += len(km)
+            slots = np.stack([p[0] for p in parts]).astype(np.int64, copy=False)
+            kmap = np.concatenate([p[1] for p in parts]).astype(np.int64, copy=False)
+            kbeg = np.stack([p[2] for p in parts]).astype(np.int64, copy=False)
+            kend = np.stack([p[3] for p in parts]).astype(np.int64, copy=False)
+        n_pos = int(pos.max()) + 1
+        rope = np.empty((len(stack.ropes), 4), np.int64)
+        tables = []  # alive until the call returns
+        for i, (base, fscale) in enumerate(stack.ropes):
+            cos, sin = self.rope_tables.get(n_rot, base, fscale, n_pos)
+            tables.append((cos, sin))
+            rope[i] = (cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1])
+        kc0 = stack.kv_arrays[0][0]
+        n_head, n_kv = s.q.shape[1] // kc0.shape[2], kc0.shape[1]
+        self.fused_ops.decode_layers(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
             s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
-            *self._fused_activations(n * max(x.shape[1], s.gate.shape[1], s.a.shape[1])), *norms,
-            *weights, tids, mask, F32(eps), cos, sin, pos, n_rot, neox, kc, vc, kv.pos, slots, kmap, kbeg, kend,
-            kv.window, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
+            *self._fused_activations(n * max(x.shape[1], s.gate.shape[1], s.a.shape[1])), stack.table, stack.mask,
+            F32(eps), rope, pos, n_rot, neox, slots, kmap, kbeg, kend, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
         return True
+
+    def _stack_plan(self, blocks, kvs, ropes):
+        """decode_layers' fixed arguments for these blocks and caches: the layer table (addresses
+        and sizes of every weight, norm and cache; fused.T_COLS), the mask and token limit of all
+        their types, the cache groups (one KV layer standing for each distinct slot-position
+        array) and the RoPE settings; the arrays are kept here so the addresses stay valid. False
+        when a block needs the unfused ops."""
+        from types import SimpleNamespace
+
+        fused = self.fused_ops
+        plans = []
+        for L, kv in zip(blocks, kvs):
+            plan = self._fused.get(id(L))
+            if plan is None:
+                plan = self._fused[id(L)] = self._fused_plan(L, kv)
+            if plan is False or not self._fused_cache_ok(kv):
+                return False
+            plans.append(plan)
+        groups, group_of = [], {}
+        rope_keys = list(dict.fromkeys(ropes))
+        table = np.zeros((len(blocks), fused.T_COLS), np.int64)
+        keep = []
+        for il, (plan, kv, rp) in enumerate(zip(plans, kvs, ropes)):
+            weights, norms, tids, _, _, _ = plan
+            row = table[il]
+            for j, a in enumerate(norms):
+                if a.dtype != F32 or a.ndim != 1 or not a.flags.c_contiguous:
+                    return False
+                row[fused.T_NORMS + 2 * j:fused.T_NORMS + 2 * j + 2] = (a.ctypes.data, a.shape[0])
+            for j, w in enumerate(weights):
+                if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+                    return False
+                row[fused.T_W + 3 * j:fused.T_W + 3 * j + 3] = (w.ctypes.data, w.shape[0], w.shape[1])
+            row[fused.T_TIDS:fused.T_TIDS + 7] = tids
+            kc, vc = kv.kernel_arrays()
+            row[fused.T_KC:fused.T_KC + 4] = (kc.ctypes.data, *kc.shape)
+            row[fused.T_VC:fused.T_VC + 4] = (vc.ctypes.data, *vc.shape)
+            kpos = kv.pos
+            row[fused.T_KPOS:fused.T_KPOS + 2] = (kpos.ctypes.data, kpos.shape[0])
+            g = group_of.get(id(kpos))
+            if g is None:
+                g = group_of[id(kpos)] = len(groups)
+                groups.append(kv)
+            row[fused.T_WINDOW], row[fused.T_GROUP], row[fused.T_ROPE] = kv.window, g, rope_keys.index(rp)
+            keep.append((weights, norms, kc, vc, kpos))
+        types = {int(t) for p in plans for t in p[2]}
+        return SimpleNamespace(table=table, mask=fused.type_mask(types), max_tokens=min(p[5] for p in plans),
+                               groups=groups, ropes=rope_keys, kv_arrays=[k[2:4] for k in keep],
+                               keep=(keep, list(blocks), list(kvs)), checked={})  # kvs: their ids stay theirs
+
+    @staticmethod
+    def _fused_cache_ok(kv) -> bool:
+        kc, vc = kv.kernel_arrays()
+        return (kc.dtype == np.uint16 and vc.dtype == np.uint16 and kc.ndim == 3 and vc.ndim == 3
+                and kc.flags.c_contiguous and vc.flags.c_contiguous and kv.pos.dtype == np.int64
+                and kv.pos.flags.c_contiguous and kc.shape[0] == vc.shape[0] == kv.pos.shape[0])
 
     def _fused_plan(self, L, kv):
         ops = self.ops

@@ -1,12 +1,15 @@
-"""One decode step of a transformer block in a single Numba call.
+"""A decode step of a whole model's transformer blocks in a single Numba call.
 
 A token's block is ~15 small kernels; called one by one from Python each costs a few microseconds
 of dispatch plus a parallel-region launch (~5 us with two threads, measured), which for SmolLM2
-(30 blocks, 0.5-2 MB of weights each) was a third of the decode step. Here the block runs as one
-call with five parallel regions: the q/k/v rows together, attention, the output projection, the
-gate/up rows with the activation, the down projection. The arithmetic is the unfused kernels' own (the same
-row dot products in ggml's order, the same norm / RoPE / attention / activation code), so the
-results are identical bit for bit (tests/test_models.py holds them together).
+(30 blocks, 0.5-2 MB of weights each) was a third of the decode step. Here a block runs with five
+parallel regions: the q/k/v rows together, attention, the output projection, the gate/up rows with
+the activation, the down projection; and every block of the step runs in the same call
+(`decode_layers` loops over a table of the layers' weights, norms and caches), so the ~40 us of
+Python and argument dispatch per block are paid once a step (SmolLM2 decode 89 -> 107 tok/s,
+measured). The arithmetic is the unfused kernels' own (the same row dot products in ggml's order,
+the same norm / RoPE / attention / activation code), so the results are identical bit for bit
+(tests/test_models.py holds them together).
 
 A step may hold one decode token of each of up to max_tokens(types) sequences (16 for a block of legacy
 types, 7 with K-quants; models/decoder.py ALONE_MAX): they
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
+from numba import carray
 from numba import types as nbtypes
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, quantize_q8_k
 from edgellm.kernels.cpu.kquants import _row_q4_k
@@ -41,9 +46,9 @@ K_TYPES = frozenset((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))  # activations in Q8_K form 
 
 
 def type_mask(types) -> tuple:
-    """decode_block's `mask` argument for a block whose weights are of `types` (ROW_TYPES): (0 if a
+    """decode_layers' `mask` argument for a block whose weights are of `types` (ROW_TYPES): (0 if a
     type with Q8_0 / Q8_1 activations is among them else None, the same for the K-quants). Numba
-    compiles decode_block once per mask, with the row kernels and activation form of the families
+    compiles decode_layers once per mask, with the row kernels and activation form of the families
     present only: an all-legacy model (SmolLM2's Q4_1) compiles no K-quant kernel and an all-K
     model no legacy one (the first run's decode compile ~25% shorter), and a test suite going
     through every type compiles at most three variants per block layout."""
@@ -52,7 +57,7 @@ def type_mask(types) -> tuple:
 
 
 def _present(mask) -> frozenset:
-    """The types decode_block is compiled for, from its mask's Numba type (at compile time)."""
+    """The types decode_layers is compiled for, from its mask's Numba type (at compile time)."""
     legacy, k = (not isinstance(ty, nbtypes.NoneType) for ty in mask.types)
     return (ROW_TYPES - K_TYPES if legacy else frozenset()) | (K_TYPES if k else frozenset())
 
@@ -65,7 +70,7 @@ def _is_k(tid):
 
 def max_tokens(types) -> int:
     """How many decode tokens (of different sequences) a block of `types` takes through
-    decode_block: measured on SmolLM2 (Q4_1) and Gemma-3 (Q4_K_M) with `edgellm bench --parallel`
+    decode_layers: measured on SmolLM2 (Q4_1) and Gemma-3 (Q4_K_M) with `edgellm bench --parallel`
     (2 threads, S_TG t/s, fused / the batch products): SmolLM2 npl 8 176 / 119, npl 16 172 / 149;
     Gemma-3 npl 8 93-99 / 106, npl 16 97-102 / 119. The K-quants' batch products (tiled, from 8
     tokens on) beat the one-token row kernels there; the legacy types' do not."""
@@ -79,10 +84,10 @@ def _rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
     """Rows [c * CHUNK, (c + 1) * CHUNK) of w (clipped) times each of n_tok tokens' activations
     (token t's at t n_in values / t n_in / 32 or / 256 blocks of the buffers) into out (token t's
     row at t w.shape[0]): one compiled copy of each present type's row kernel (`mask`), called from
-    every parallel loop of decode_block (the type test once per chunk). The chunk's rows stay in the
+    every parallel loop of decode_layers (the type test once per chunk). The chunk's rows stay in the
     cache for the tokens after the first; each (row, token) is the one-token kernel's result.
-    Compiled only inside decode_block (the overload below)."""
-    raise NotImplementedError("called from decode_block's compiled code only")
+    Compiled only inside decode_layers (the overload below)."""
+    raise NotImplementedError("called from decode_layers' compiled code only")
 
 
 @overload(_rows, jit_options={"nogil": True})
@@ -146,8 +151,8 @@ def _rows_for(present: frozenset):
 def _quantize(mask, x, a32, ak, need32, needk):
     """The rows of x (n_tok, n) into the activation buffers, row t at t n values (t n / 32 and
     t n / 256 blocks): the Q8_0 / Q8_1 form if need32, the Q8_K form if needk — each compiled only
-    when a type of `mask` takes it. Compiled only inside decode_block (the overload below)."""
-    raise NotImplementedError("called from decode_block's compiled code only")
+    when a type of `mask` takes it. Compiled only inside decode_layers (the overload below)."""
+    raise NotImplementedError("called from decode_layers' compiled code only")
 
 
 @overload(_quantize, jit_options={"nogil": True})
@@ -169,70 +174,117 @@ def _quantize_overload(mask, x, a32, ak, need32, needk):
     return quantize
 
 
+# decode_layers' layer table: one int64 row per layer, addresses and sizes of what the layer's
+# block reads (the arrays stay owned by the caller, which keeps them alive during the call).
+T_NORMS = 0  # 9 x (address, length): attn_norm, post_attn_norm, ffn_norm, post_ffw_norm, q_norm, k_norm, bq, bk, bv
+T_W = 18  # 7 x (address, rows, row bytes): wq, wk, wv, wo, wg, wu, wd
+T_TIDS = 39  # 7 ggml types, in the same order
+T_KC, T_VC = 46, 50  # (address, slots, n_kv, head dim): the layer's K and V cache (f16 bits)
+T_KPOS = 54  # (address, length): the slot positions of the layer's cache group
+T_WINDOW, T_GROUP, T_ROPE = 56, 57, 58  # sliding window (0: none), the step-layout group, the RoPE table
+T_COLS = 59
+
+
+@intrinsic
+def _voidptr(typingctx, addr):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return nbtypes.voidptr(nbtypes.int64), codegen
+
+
+@njit(inline="always")
+def _vec(t, c, dtype):
+    return carray(_voidptr(t[c]), (t[c + 1],), dtype)
+
+
+@njit(inline="always")
+def _mat(t, c):
+    return carray(_voidptr(t[c]), (t[c + 1], t[c + 2]), np.uint8)
+
+
+@njit(inline="always")
+def _cache(t, c):
+    return carray(_voidptr(t[c]), (t[c + 1], t[c + 2], t[c + 3]), np.uint16)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def decode_block(x, h, q, k, v, att, o, gate, up, a32, ak,
-                 attn_norm, post_attn_norm, ffn_norm, post_ffw_norm, q_norm, k_norm, bq, bk, bv,
-                 wq, wk, wv, wo, wg, wu, wd, tids, mask,
-                 eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, kmap, kbeg, kend, window, scale,
-                 gelu, gelu_table, q_scale):
-    """n decode tokens (each of its own sequence) through one block, in place on x (n, n_embd).
+def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
+                  eps, rope, pos, n_rot, neox, slots, kmap, kbeg, kend, scale, gelu, gelu_table, q_scale):
+    """n decode tokens (each of its own sequence) through the blocks of `table` (T_COLS columns, one
+    row a layer, in order), in place on x (n, n_embd): a whole model's decode step in one call.
     q (n, n_head, hd), k / v (n, n_kv, hd), att (n, n_head * hd_v), o / h (n, n_embd), gate / up
     (n, n_ff): scratch. a32 / ak: activation buffers (q8_32 and q8_k parts) for n rows of the
-    widest input. tids: the types of wq, wk, wv, wo, wg, wu, wd; mask: type_mask of them. Norms and biases of size 0 are
-    absent. Token t's K and V go to cache slot slots[t]; it attends to the slots
-    kmap[kbeg[t]:kend[t]]. Every token gets what it gets through this block alone, bit for bit
-    (the one-token kernels and order); the weights are read once for the n. Returns nothing."""
+    widest input. mask: type_mask of every layer's types. rope (n_tables, 4): (cos address, sin
+    address, positions, n_rot / 2) of float32 tables. Norms and biases of length 0 are absent. In
+    layer group g, token t's K and V go to cache slot slots[g, t] and it attends to the slots
+    kmap[kbeg[g, t]:kend[g, t]]. Every token gets what it gets through these blocks alone, bit for
+    bit (the one-token kernels and order); each layer's weights are read once for the n."""
     n_tok, n_embd = x.shape
-    # attention: norm, q/k/v rows in one parallel loop
-    rms_norm(x, attn_norm, eps, h)
-    need32 = not (_is_k(tids[0]) and _is_k(tids[1]) and _is_k(tids[2]))
-    needk = _is_k(tids[0]) or _is_k(tids[1]) or _is_k(tids[2])
-    _quantize(mask, h, a32, ak, need32, needk)
-    n_in_qkv = n_embd
-    qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
-    cq, ck, cv = (wq.shape[0] + CHUNK - 1) // CHUNK, (wk.shape[0] + CHUNK - 1) // CHUNK, (wv.shape[0] + CHUNK - 1) // CHUNK
-    for c in prange(cq + ck + cv):
-        if c < cq:
-            _rows(mask, tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
-        elif c < cq + ck:
-            _rows(mask, tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
-        else:
-            _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
-    prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots, q_scale)
-    attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, att, kc[0, 0, 0])
-    # output projection, residual, ffn norm
-    n_att = att.shape[1]
-    _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
-    n_in_o = n_att
-    of = o.reshape(-1)
-    for c in prange((wo.shape[0] + CHUNK - 1) // CHUNK):
-        _rows(mask, tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
-    add_rms_norm(x, o, post_attn_norm, ffn_norm, eps, h)
-    # gated FFN
-    need32 = not (_is_k(tids[4]) and _is_k(tids[5]))
-    needk = _is_k(tids[4]) or _is_k(tids[5])
-    _quantize(mask, h, a32, ak, need32, needk)
-    n_in_ffn = n_embd
-    gf, uf = gate.reshape(-1), up.reshape(-1)
-    n_ff = wg.shape[0]
-    n8 = n_ff // 8 * 8
-    # gate and up rows of a chunk, then the chunk's activation, in one parallel loop (the
-    # activation was a serial loop over n_ff after it)
-    for c in prange((n_ff + CHUNK - 1) // CHUNK):
-        _rows(mask, tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
-        _rows(mask, tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
-        for t in range(n_tok):
-            for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n_ff)):
-                j = t * n_ff + i
-                g = gf[j]
-                if gelu:  # ggml's GEGLU
-                    gf[j] = gelu_ggml(g, gelu_table) * uf[j]
-                else:
-                    e = expf_ggml(-g) if i < n8 else np.exp(-g)
-                    gf[j] = g / (F32(1.0) + e) * uf[j]
-    _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
-    n_in_down = n_ff
-    for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
-        _rows(mask, tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
-    add_rms_norm(x, o, post_ffw_norm, post_ffw_norm[:0], eps, x)
-
+    for il in range(table.shape[0]):
+        t = table[il]
+        attn_norm, post_attn_norm = _vec(t, T_NORMS, np.float32), _vec(t, T_NORMS + 2, np.float32)
+        ffn_norm, post_ffw_norm = _vec(t, T_NORMS + 4, np.float32), _vec(t, T_NORMS + 6, np.float32)
+        q_norm, k_norm = _vec(t, T_NORMS + 8, np.float32), _vec(t, T_NORMS + 10, np.float32)
+        bq, bk, bv = _vec(t, T_NORMS + 12, np.float32), _vec(t, T_NORMS + 14, np.float32), _vec(t, T_NORMS + 16, np.float32)
+        wq, wk, wv, wo = _mat(t, T_W), _mat(t, T_W + 3), _mat(t, T_W + 6), _mat(t, T_W + 9)
+        wg, wu, wd = _mat(t, T_W + 12), _mat(t, T_W + 15), _mat(t, T_W + 18)
+        tids = t[T_TIDS:T_TIDS + 7]
+        kc, vc = _cache(t, T_KC), _cache(t, T_VC)
+        kpos = _vec(t, T_KPOS, np.int64)
+        window, g, r = t[T_WINDOW], t[T_GROUP], t[T_ROPE]
+        cos = carray(_voidptr(rope[r, 0]), (rope[r, 2], rope[r, 3]), np.float32)
+        sin = carray(_voidptr(rope[r, 1]), (rope[r, 2], rope[r, 3]), np.float32)
+        # attention: norm, q/k/v rows in one parallel loop
+        rms_norm(x, attn_norm, eps, h)
+        need32 = not (_is_k(tids[0]) and _is_k(tids[1]) and _is_k(tids[2]))
+        needk = _is_k(tids[0]) or _is_k(tids[1]) or _is_k(tids[2])
+        _quantize(mask, h, a32, ak, need32, needk)
+        n_in_qkv = n_embd
+        qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
+        cq, ck, cv = (wq.shape[0] + CHUNK - 1) // CHUNK, (wk.shape[0] + CHUNK - 1) // CHUNK, (wv.shape[0] + CHUNK - 1) // CHUNK
+        for c in prange(cq + ck + cv):
+            if c < cq:
+                _rows(mask, tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
+            elif c < cq + ck:
+                _rows(mask, tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
+            else:
+                _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
+        prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots[g],
+                    q_scale)
+        attend_ggml(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, 4, att, kc[0, 0, 0])
+        # output projection, residual, ffn norm
+        n_att = att.shape[1]
+        _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
+        n_in_o = n_att
+        of = o.reshape(-1)
+        for c in prange((wo.shape[0] + CHUNK - 1) // CHUNK):
+            _rows(mask, tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
+        add_rms_norm(x, o, post_attn_norm, ffn_norm, eps, h)
+        # gated FFN
+        need32 = not (_is_k(tids[4]) and _is_k(tids[5]))
+        needk = _is_k(tids[4]) or _is_k(tids[5])
+        _quantize(mask, h, a32, ak, need32, needk)
+        n_in_ffn = n_embd
+        gf, uf = gate.reshape(-1), up.reshape(-1)
+        n_ff = wg.shape[0]
+        n8 = n_ff // 8 * 8
+        # gate and up rows of a chunk, then the chunk's activation, in one parallel loop (the
+        # activation was a serial loop over n_ff after it)
+        for c in prange((n_ff + CHUNK - 1) // CHUNK):
+            _rows(mask, tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
+            _rows(mask, tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
+            for tk in range(n_tok):
+                for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n_ff)):
+                    j = tk * n_ff + i
+                    gv = gf[j]
+                    if gelu:  # ggml's GEGLU
+                        gf[j] = gelu_ggml(gv, gelu_table) * uf[j]
+                    else:
+                        e = expf_ggml(-gv) if i < n8 else np.exp(-gv)
+                        gf[j] = gv / (F32(1.0) + e) * uf[j]
+        _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
+        n_in_down = n_ff
+        for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
+            _rows(mask, tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
+        add_rms_norm(x, o, post_ffw_norm, post_ffw_norm[:0], eps, x)
