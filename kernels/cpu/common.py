@@ -33,6 +33,14 @@ from numba import njit, prange, types  # noqa: F401  (prange: re-exported to the
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from edgellm.kernels.cpu import use_cache_dir
+
+# Every kernel module imports this one before defining its kernels: the disk cache is the folder of
+# this package's source digest however a module was reached (a direct `import
+# edgellm.kernels.cpu.legacy` used to cache into __pycache__, keyed on legacy.py's own date only,
+# and then ran stale machine code after an edit of rows8.py or rowdot.py).
+use_cache_dir()
+
 U = np.uint64
 I32 = np.int32
 F32 = np.float32

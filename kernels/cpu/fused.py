@@ -35,7 +35,7 @@ from edgellm.kernels.cpu.ops import add_rms_norm, attend_ggml, expf_ggml, gelu_g
 from edgellm.kernels.cpu.legacy import _row_q4_0
 from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q3_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
                                         rowdot_q8_0)
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
+from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k, rows8_q8_0
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
@@ -115,7 +115,10 @@ def _rows_for(present: frozenset):
                 for r in range(r0, r1):
                     out[oo + r] = rowdot_q5_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
             elif has_q8_0 and tid == Q8_0:
-                for r in range(r0, r1):
+                r8 = r0 + (r1 - r0) // 8 * 8
+                for r in range(r0, r8, 8):  # eight rows at a time: the same sums (rows8)
+                    rows8_q8_0(w, U(r) * rb, rb, a32[0], xo, a32[1], b32, n32, out, oo + U(r))
+                for r in range(r8, r1):
                     out[oo + r] = rowdot_q8_0(w, U(r) * rb, a32[0], xo, a32[1], b32, n32)
             elif has_q4_0 and tid == Q4_0:
                 r8 = r0 + (r1 - r0) // 8 * 8
