@@ -124,6 +124,10 @@ class Backend(ABC):
     #   done nothing, when it cannot take this block. None: not offered (the decoder runs the block
     #   op by op).
     decode_block = None
+    # decode_layers(blocks, x, pos, kvs, s, *, ropes, eps, n_rot, neox, scale, gelu, q_scale) -> bool: the
+    #   same for several blocks in order (a whole model's, kvs / ropes per block) in one call; the runtime
+    #   offers it when every layer is on this backend. None: not offered.
+    decode_layers = None
 
     def claim_thread(self) -> None:
         """Called at the start of every step in the thread that runs it (a backend whose settings
