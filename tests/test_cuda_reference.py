@@ -147,7 +147,8 @@ def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
     order)."""
     from types import SimpleNamespace
 
-    from edgellm.kv_cache import KVCache, build_layouts
+    from edgellm.kv_cache import KVCache
+    from paged import attention_step
 
     cp = gpu.cp
     cfg = SimpleNamespace(n_layer=1, n_head_kv=2, head_dim_k=64, head_dim_v=32, sliding_window=0, swa_layers=[False])
@@ -164,20 +165,9 @@ def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
         outs = {}
         for d, cache in caches.items():
             b, up = (gpu, cp.asarray) if d == "gpu" else (cpu, np.ascontiguousarray)
-            entries = []
-            for i, n in step:
-                seq = seqs[d][i]
-                assert seq.grow(n)
-                entries.append((seq, np.arange(seq.n_past, seq.n_past + n, dtype=np.int64)))
-            lk = cache.layers[0]
-            lk.layout = build_layouts(cache, entries)[0]
-            pos = np.concatenate([p for _, p in entries])
             out = up(np.zeros((n_tok, n_head * cfg.head_dim_v), np.float32))
-            b.kv_store(lk, up(k), up(v), pos)
-            b.attention(up(q), lk, pos, scale, out)
+            attention_step(b, cache, seqs[d], step, k, v, q, scale, out, up)
             outs[d] = out.get() if d == "gpu" else out
-            for (seq, _), (_, n) in zip(entries, step):
-                seq.commit(np.zeros(n, np.int64))
         g, c = caches["gpu"].layers[0], caches["cpu"].layers[0]
         gk, gv, slots = g.k.get(), g.v.get(), g.layout.slots
         label = f"{kind} KV step of {n_tok} tokens"

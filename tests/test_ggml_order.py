@@ -272,7 +272,8 @@ def test_quantized_cache_attention_is_ggml_flash_attention_bit_for_bit(kind, win
     from types import SimpleNamespace
 
     from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend
-    from edgellm.kv_cache import KVCache, build_layouts
+    from edgellm.kv_cache import KVCache
+    from paged import attention_step
 
     cfg = SimpleNamespace(n_layer=1, n_head_kv=2, head_dim_k=64, head_dim_v=32, sliding_window=window,
                           swa_layers=[window > 0])
@@ -288,20 +289,9 @@ def test_quantized_cache_attention_is_ggml_flash_attention_bit_for_bit(kind, win
         q = (rng.standard_normal((n_tok, n_head, 64)) * 3).astype(np.float32)
         outs = {}
         for d, cache in caches.items():
-            entries = []
-            for i, n in step:
-                seq = seqs[d][i]
-                assert seq.grow(n)
-                entries.append((seq, np.arange(seq.n_past, seq.n_past + n, dtype=np.int64)))
-            lk = cache.layers[0]
-            lk.layout = build_layouts(cache, entries)[0]
-            pos = np.concatenate([p for _, p in entries])
             out = np.full((n_tok, n_head * 32), np.nan, np.float32)
-            backends[d].kv_store(lk, k, v, pos)
-            backends[d].attention(q, lk, pos, 0.125, out)
+            attention_step(backends[d], cache, seqs[d], step, k, v, q, 0.125, out)
             outs[d] = out
-            for (seq, _), (_, n) in zip(entries, step):
-                seq.commit(np.zeros(n, np.int64))
         np.testing.assert_array_equal(caches["numba"].layers[0].k, caches["numpy"].layers[0].k)
         assert np.isfinite(outs["numpy"]).all()
         np.testing.assert_array_equal(outs["numba"], outs["numpy"], err_msg=f"{kind} step {step}")

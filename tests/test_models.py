@@ -331,6 +331,46 @@ def test_twelve_decode_tokens_of_legacy_types_go_through_the_fused_block_bit_for
     np.testing.assert_array_equal(together, np.stack(alone))
 
 
+def test_decode_steps_run_the_unfused_kernels_until_the_fused_one_is_ready(synthetic):
+    """While the first run's worker still compiles the fused decode kernel (FUSED_READY clear), the
+    warm-up and the decode steps run the unfused kernels; the step after it is ready takes the fused
+    kernel up. The logits are the same bits either way."""
+    from edgellm.kernels.cpu.backend import FUSED_READY
+
+    path = synthetic("gemma3", T.Q4_K)
+    cpu = CPUBackend()
+    calls = []
+    real = cpu.fused_ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def decode_layers(*a):
+            calls.append(a[0].shape[0])
+            return real.decode_layers(*a)
+
+    cpu._fused_ops = Spy()
+    FUSED_READY.clear()
+    try:
+        rt = runtime(path, {"cpu": cpu}, n_ctx=64)
+        assert calls == [] and rt._fused_pending
+        rt.eval(TOKENS[:6])
+        unfused = [rt.eval([t]).copy() for t in TOKENS[6:10]]
+        assert calls == []
+        FUSED_READY.set()
+        fused = [rt.eval([t]).copy() for t in TOKENS[10:13]]
+        assert calls == [1, 1, 1] and not rt._fused_pending
+    finally:
+        FUSED_READY.set()
+    rt.reset()
+    rt.eval(TOKENS[:6])
+    again = [rt.eval([t]).copy() for t in TOKENS[6:13]]  # fused from the start
+    assert len(calls) == 3 + 7
+    np.testing.assert_array_equal(np.stack(unfused + fused), np.stack(again))
+
+
 def test_decode_block_is_compiled_per_family_of_row_types():
     """type_mask: which row kernels a block's decode_block variant holds (legacy, K-quant or both)."""
     import numba

@@ -57,21 +57,28 @@ def test_nothing_compiled_prints_nothing():
 
 
 @pytest.mark.real
-def test_groups_split_decode_from_prompt(smollm2_path, gemma3_path):
-    from edgellm.precompile import _open, step_groups
+def test_groups_split_the_prompt_the_unfused_decode_and_the_fused_decode(smollm2_path, gemma3_path):
+    from edgellm.precompile import _open, step_groups, worker_shares
+    from edgellm.runtime import PROMPT_TOKENS
 
     cfg, _, model = _open(str(smollm2_path), 1)
-    groups = step_groups(model, cfg)
-    # SmolLM2: every layer has the same types, so the decode group is one step (the first and
-    # the last layer in one fused call), and the prompt group (first layer, last layer, last
-    # layer's last-token-only, head x2)
-    assert sorted(len(g) for g in groups) == [1, 5]
-    assert min(groups, key=len) == [("layers", (0, cfg.n_layer - 1), 1)]
+    prompt, one, layers = step_groups(model, cfg)
+    last = cfg.n_layer - 1
+    # SmolLM2: every layer has the same types, so a layer of each kind is the first and the last
+    assert prompt == [("block", 0, PROMPT_TOKENS, False), ("block", last, PROMPT_TOKENS, False),
+                      ("block", last, PROMPT_TOKENS, True)]
+    assert sorted(one, key=str) == sorted([("block", 0, 1, False), ("block", last, 1, False), ("head", PROMPT_TOKENS),
+                                           ("head", 1)], key=str)
+    assert layers == [("layers", (0, last), 1)]
+    # the fused decode step goes last, after the unfused one-token steps (whose kernels it calls)
+    assert worker_shares([prompt, one, layers], 2) == [prompt, one + layers]
+    assert worker_shares([prompt, one, layers], 1) == [prompt + one + layers]
     cfg, _, model = _open(str(gemma3_path), 1)
     steps = [s for g in step_groups(model, cfg) for s in g]
     assert len(steps) == len(set(steps)) and ("head", 1) in steps
     layers = [s for s in steps if s[0] == "layers"]  # a layer of each kind: both sliding kinds, global, last
     assert len(layers) == 1 and layers[0][2] == 1 and {cfg.swa_layers[il] for il in layers[0][1]} == {True, False}
+    assert {s[1] for s in steps if s[0] == "block" and s[2] == 1} == set(layers[0][1])
 
 
 @pytest.mark.real
@@ -88,6 +95,25 @@ def test_cold_run_compiles_in_workers_and_the_load_finds_them(smollm2_path, tmp_
     assert len(re.findall(r"^compiled \d+ kernels in", r.stderr, re.M)) == 1, r.stderr
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "compil" not in again.stderr, again.stderr
+
+
+@pytest.mark.real
+def test_the_first_run_answers_before_the_fused_kernel_is_compiled(smollm2_path, tmp_path):
+    """The first run answers once the prompt's and the unfused decode step's kernels are compiled;
+    its decode steps run the unfused kernels while a worker compiles the fused one, and give the
+    answer the next run (fused, from the cache) gives, token for token."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("EDGELLM_NO_PRECOMPILE", None)
+    cmd = [sys.executable, "-m", "edgellm.cli", "run", str(smollm2_path), "-p", "Name three colours.", "-n", "24",
+           "--temp", "0", "-c", "256", "--ignore-eos"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert first.returncode == 0, first.stderr
+    # the answer was complete while the fused kernel was still compiling: the command waited for it after
+    assert "finishing the decode kernel's compile" in first.stderr, first.stderr
+    assert first.stderr.index("prompt ") < first.stderr.index("finishing the decode kernel's compile")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "compil" not in again.stderr, again.stderr
+    assert len(first.stdout.split()) >= 10 and first.stdout == again.stdout
 
 
 def test_prepare_never_fails(tmp_path, monkeypatch):
@@ -120,12 +146,12 @@ def slow_download(m, target, *, quiet):
     shutil.copyfile(real, target)
 
 fetch._fetch = slow_download
-print(fetch_and_prepare("smollm2-135m", verbose=True))
+print(fetch_and_prepare("smollm2-135m", verbose=True)[0])
 """
 
 
 @pytest.mark.real
-def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path):
+def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path, monkeypatch):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), EDGELLM_CACHE=str(tmp_path / "cache"))
     env.pop("EDGELLM_NO_PRECOMPILE", None)
     r = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(smollm2_path)], env=env, capture_output=True,
@@ -137,6 +163,12 @@ def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path):
     # stand-in has the file's tensor types, so usually nothing, and then no progress line at all)
     said = re.search(r"compiled (\d+) kernels? in", r.stderr)
     assert (int(said.group(1)) if said else 0) <= 4, r.stderr
+    # the file itself starts no worker (the stand-in has its types) and is remembered as compiled
+    assert r.stderr.count("compile workers' CPU seconds") <= 1, r.stderr  # (the stand-in's, when it was still at work)
+    from edgellm.precompile import _stamp
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    assert _stamp(tmp_path / "cache" / "models" / smollm2_path.name, "f16").exists()
 
 
 def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
@@ -152,7 +184,7 @@ def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
         cfg, _, model = _open(str(path), 1)
         assert cfg.arch == known.stand_in.arch
         groups = step_groups(model, cfg)
-        assert {s[2] for g in groups for s in g if s[0] == "block"} == {9}
+        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 9}
         assert [s[2] for g in groups for s in g if s[0] == "layers"] == [1]
         assert model.blocks[1].ffn_down.ggml_type == GGMLQuantizationType[known.stand_in.layers[-1][-1]]
 

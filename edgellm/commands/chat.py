@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     # loading screen.
     if hasattr(args, "kv_type_k"):
         args.kv_type = kv_type_of(args)
-    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=getattr(args, "kv_type", None) or "f16")
+    path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers,
+                                        kv_type=getattr(args, "kv_type", None) or "f16", background=True)
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads,
                     "use_mmap": getattr(args, "use_mmap", None)}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
@@ -121,8 +122,12 @@ def run(args: argparse.Namespace) -> int:
     def load():
         return edgellm.load(path, **load_options)
 
-    return run_chat(load, settings, history=not getattr(args, "no_history", False),
-                    resume=getattr(args, "resume", False))
+    try:
+        return run_chat(load, settings, history=not getattr(args, "no_history", False),
+                        resume=getattr(args, "resume", False))
+    finally:
+        if compiling is not None:  # the next runs find the fused kernel in the cache
+            compiling.wait(sys.stderr)
 
 
 def _max_tokens(args: argparse.Namespace) -> int:

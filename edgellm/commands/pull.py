@@ -24,6 +24,6 @@ def run(args) -> int:
     else:
         from edgellm.precompile import fetch_and_prepare
 
-        path = fetch_and_prepare(args.name)
+        path, _ = fetch_and_prepare(args.name)
     print(path)
     return 0

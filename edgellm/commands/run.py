@@ -49,7 +49,10 @@ def run(args) -> int:
     from edgellm.precompile import fetch_and_prepare
 
     args.kv_type = kv_type_of(args)
-    path = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type, verbose=args.verbose)
+    # the first run of an install answers as soon as the first token's kernels are compiled (decode
+    # steps run the unfused kernels, the same bits, while a worker compiles the fused one)
+    path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type,
+                                        verbose=args.verbose, background=True)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False,
                          use_mmap=args.use_mmap)
@@ -78,6 +81,8 @@ def run(args) -> int:
     out.write("\n")
     out.flush()
     print(summary(model.stats), file=sys.stderr)
+    if compiling is not None:  # the next runs find the fused kernel in the cache
+        compiling.wait(sys.stderr, args.verbose)
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
@@ -67,8 +68,9 @@ class NumpyBackend(Backend):
 
     def weight(self, t: TensorInfo):
         """Matrices stay quantized (views of the mapped file); vectors (norms, biases) become float32."""
-        if len(t.ne) == 1:
-            return np.ascontiguousarray(t.as_float32().reshape(-1))
+        if len(t.ne) == 1:  # a copy: writable, as the fused decode kernel's views of them are (one
+            # compiled variant of the norm kernels for both)
+            return np.array(t.as_float32().reshape(-1), dtype=F32, copy=True)
         return QMatrix(int(t.qtype.ggml_type), t.data, t.n_rows, t.n_cols, t.name)
 
     def from_host(self, x: np.ndarray) -> np.ndarray:
@@ -226,6 +228,14 @@ class NumpyBackend(Backend):
         x *= F32(s)
 
 
+# Set while the fused decode kernel may be run (the default). The first run of an install clears it
+# while a worker process still compiles that kernel (edgellm.precompile): decode steps then go
+# through the unfused kernels, which give the same bits, and the fused kernel is taken up (from the
+# disk cache) at the first step after the worker has finished.
+FUSED_READY = threading.Event()
+FUSED_READY.set()
+
+
 class CPUBackend(NumpyBackend):
     """The CPU backend: the NumpyBackend ops as Numba kernels (kernels/cpu/ops.py), and the fused
     ops as fewer kernel calls (`linear_many`, `qkv_attention`, `add_rms_norm`; `decode_block`: a
@@ -327,13 +337,13 @@ class CPUBackend(NumpyBackend):
 
     def rms_norm(self, x, w, eps, out) -> None:
         n = x.shape[-1]
-        self.ops.rms_norm(x.reshape(-1, n), _NONE if w is None else w, eps, out.reshape(-1, n))
+        self.ops.rms_norm(x.reshape(-1, n), _NONE if w is None else w, F32(eps), out.reshape(-1, n))
 
     def add_rms_norm(self, x, o, post_w, next_w, eps, h) -> None:
         """Residual step: o = rms_norm(o) * post_w (if given); x += o; h = rms_norm(x) * next_w
         (if given). x, o, h (n_tok, n_embd)."""
         self.ops.add_rms_norm(x, o, _NONE if post_w is None else post_w, _NONE if next_w is None else next_w,
-                              eps, x if h is None else h)
+                              F32(eps), x if h is None else h)
 
     def rope(self, x, pos, n_rot, freq_base, freq_scale, neox) -> None:
         cos, sin = self.rope_tables.get(n_rot, freq_base, freq_scale, int(pos.max()) + 1)
@@ -401,7 +411,10 @@ class CPUBackend(NumpyBackend):
     def decode_layers(self, blocks, x, pos, kvs, s, *, ropes, eps, n_rot, neox, scale, gelu, q_scale=1.0) -> bool:
         """decode_block for several blocks in order (a whole model's layers) in one kernel call:
         blocks[i] with cache kvs[i] and RoPE (freq_base, freq_scale) ropes[i]. The same bits as the
-        blocks one by one; False, having done nothing, when one of them needs the unfused ops."""
+        blocks one by one; False, having done nothing, when one of them needs the unfused ops (or
+        the fused kernel is still being compiled: FUSED_READY)."""
+        if not FUSED_READY.is_set():
+            return False
         key = (tuple(map(id, blocks)), tuple(map(id, kvs)), tuple(ropes))
         stack = self._stacks.get(key)
         if stack is None:
@@ -445,10 +458,8 @@ class CPUBackend(NumpyBackend):
             kend = np.stack([p[3] for p in parts]).astype(np.int64, copy=False)
         n_pos = int(pos.max()) + 1
         rope = np.empty((len(stack.ropes), 4), np.int64)
-        tables = []  # alive until the call returns
-        for i, (base, fscale) in enumerate(stack.ropes):
+        for i, (base, fscale) in enumerate(stack.ropes):  # (the tables stay alive in self.rope_tables)
             cos, sin = self.rope_tables.get(n_rot, base, fscale, n_pos)
-            tables.append((cos, sin))
             rope[i] = (cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1])
         kc0 = stack.kv_arrays[0][0]
         n_head, n_kv = s.q.shape[1] // kc0.shape[2], kc0.shape[1]
@@ -564,7 +575,7 @@ class CPUBackend(NumpyBackend):
         bq, bk, bv = (_NONE if b is None else b for b in biases)
         slots = kv.slots(pos)
         self.ops.prepare_qkv(q, k, v, bq, bk, bv, _NONE if q_norm is None else q_norm,
-                             _NONE if k_norm is None else k_norm, eps, cos, sin, pos, n_rot, neox,
+                             _NONE if k_norm is None else k_norm, F32(eps), cos, sin, pos, n_rot, neox,
                              kc, vc, kv.pos, slots, F32(q_scale))
         if isinstance(kv, KVLayer):
             kv.n_used = max(kv.n_used, int(slots.max()) + 1)

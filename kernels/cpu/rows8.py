@@ -73,6 +73,23 @@ def _store8(builder, op, off, v):
     builder.store(v, builder.bitcast(builder.gep(op, [off]), _V8F.as_pointer()), align=4)
 
 
+def _pointers(context, builder, signature, args, which):
+    """The data pointers of the array arguments at positions `which`."""
+    return [_ptr(context, builder, signature.args[k], args[k]) for k in which]
+
+
+def _group(builder, w_off, rb):
+    """(the eight rows' byte offsets, the offset of the group after the next: what `_ahead` reads)."""
+    return ([builder.add(w_off, builder.mul(const(r), rb)) for r in range(8)],
+            builder.add(w_off, builder.mul(const(16), rb)))
+
+
+def _ahead(builder, wp, ahead, j, block):
+    """Prefetch block j of the group after the next (its eight rows' blocks j: 8 block bytes, as
+    the rows of a group are contiguous)."""
+    _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
+
+
 def _rows8(kind):
     block = {"q4_0": 18, "q4_k": 144}[kind]
 
@@ -81,21 +98,16 @@ def _rows8(kind):
         sig = types.void(w, types.uint64, types.uint64, xq, xd, xs, types.uint64, types.uint64, out, types.uint64)
 
         def codegen(context, builder, signature, args):
-            w_, w_off_, rb_, xq_, xd_, xs_, b_off_, nb_, out_, out_off_ = args
-            wp = _ptr(context, builder, signature.args[0], w_)
-            xp = _ptr(context, builder, signature.args[3], xq_)
-            dp = _ptr(context, builder, signature.args[4], xd_)
-            sp = _ptr(context, builder, signature.args[5], xs_)
-            op = _ptr(context, builder, signature.args[8], out_)
-            rows = [builder.add(w_off_, builder.mul(const(r), rb_)) for r in range(8)]
+            w_off_, rb_, b_off_, nb_, out_off_ = args[1], args[2], args[6], args[7], args[9]
+            wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 3, 4, 5, 8))
+            rows, ahead = _group(builder, w_off_, rb_)
             zero = ir.Constant(_V8F, [0.0] * 8)
             acc = cgutils.alloca_once_value(builder, zero)
             acc_m = cgutils.alloca_once_value(builder, zero)
-            ahead = builder.add(w_off_, builder.mul(const(16), rb_))  # the group after the next
             with cgutils.for_range(builder, nb_) as loop:
                 j = loop.index
                 i = builder.add(b_off_, j)
-                _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
+                _ahead(builder, wp, ahead, j, block)
                 offs = [builder.add(r, builder.mul(j, const(block))) for r in rows]
                 dx = _splat(builder, builder.load(builder.gep(dp, [i])), _V8F)
                 if kind == "q4_0":
@@ -147,13 +159,9 @@ def rows8x4_q4_0(typingctx, w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off, o
                      types.uint64)
 
     def codegen(context, builder, signature, args):
-        w_, w_off_, rb_, xq_, xd_, xs_, b_off_, nb_, out_, out_off_, out_stride_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[3], xq_)
-        dp = _ptr(context, builder, signature.args[4], xd_)
-        sp = _ptr(context, builder, signature.args[5], xs_)
-        op = _ptr(context, builder, signature.args[8], out_)
-        rows = [builder.add(w_off_, builder.mul(const(r), rb_)) for r in range(8)]
+        w_off_, rb_, b_off_, nb_, out_off_, out_stride_ = args[1], args[2], args[6], args[7], args[9], args[10]
+        wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 3, 4, 5, 8))
+        rows, _ = _group(builder, w_off_, rb_)
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
         with cgutils.for_range(builder, nb_) as loop:
             j = loop.index
@@ -239,13 +247,9 @@ def rows8x4_q4_k(typingctx, w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off, o
                      types.uint64)
 
     def codegen(context, builder, signature, args):
-        w_, w_off_, rb_, xq_, xd_, xs_, b_off_, nb_, out_, out_off_, out_stride_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[3], xq_)
-        dp = _ptr(context, builder, signature.args[4], xd_)
-        sp = _ptr(context, builder, signature.args[5], xs_)
-        op = _ptr(context, builder, signature.args[8], out_)
-        rows = [builder.add(w_off_, builder.mul(const(r), rb_)) for r in range(8)]
+        w_off_, rb_, b_off_, nb_, out_off_, out_stride_ = args[1], args[2], args[6], args[7], args[9], args[10]
+        wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 3, 4, 5, 8))
+        rows, _ = _group(builder, w_off_, rb_)
         zero = ir.Constant(_V8F, [0.0] * 8)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
         accms = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
@@ -311,18 +315,14 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
     def codegen(context, builder, signature, args):
         from edgellm.kernels.cpu.rowdot import _abs_sign, _hsum8, _load_half, _quad_sums
 
-        w_, w_off_, rb_, xq_, x_off_, xd_, b_off_, nb_, out_, out_off_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[3], xq_)
-        dp = _ptr(context, builder, signature.args[5], xd_)
-        op = _ptr(context, builder, signature.args[8], out_)
+        w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
+        wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
         block = _Q8_0_BYTES
-        rows = [builder.add(w_off_, builder.mul(const(r), rb_)) for r in range(8)]
+        rows, ahead = _group(builder, w_off_, rb_)
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
-        ahead = builder.add(w_off_, builder.mul(const(16), rb_))  # the group after the next
         with cgutils.for_range(builder, nb_) as loop:
             j = loop.index
-            _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
+            _ahead(builder, wp, ahead, j, block)
             d1 = builder.load(builder.gep(dp, [builder.add(b_off_, j)]))
             qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(j, const(32))), _i8(32))
             for r in range(8):
