@@ -368,8 +368,8 @@ class CPUBackend(NumpyBackend):
         scale = F32(scale)
         # ggml's order: vec_dot_f16's four accumulators for a token alone, tinyBLAS's one for a batch
         if n_single:
-            self.ops.attend_ggml(q[:n_single], kc, vc, kv.pos, kmap, kbeg[:n_single], kend[:n_single],
-                                 pos[:n_single], kv.window, scale, 4, out[:n_single], z)
+            self.ops.attend_ggml_decode(q[:n_single], kc, vc, kv.pos, kmap, kbeg[:n_single], kend[:n_single],
+                                        pos[:n_single], kv.window, scale, out[:n_single], z)
         for t0, t1 in chunks:
             keys = kmap[kbeg[t0]:kend[t0]]
             used = len(keys)

@@ -90,25 +90,9 @@ def _rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
     raise NotImplementedError("called from decode_layers' compiled code only")
 
 
-_ROWS: dict = {}  # present types -> the jitted rows function (one typing and lowering per signature)
-
-
 @overload(_rows, jit_options={"nogil": True})
 def _rows_overload(mask, tid, w, c, out, a32, ak, n_in, n_tok):
-    # A thin wrapper around one dispatcher per type set: Numba builds an overload's implementation
-    # anew for each parallel loop's body (its own typing context), which compiled the full row
-    # kernels three times in a decode step's compile; the dispatcher compiles them once per signature.
-    present = _present(mask)
-    rows = _ROWS.get(present)
-    if rows is None:
-        from numba import njit as _jit
-
-        rows = _ROWS[present] = _jit(nogil=True)(_rows_for(present))
-
-    def call(mask, tid, w, c, out, a32, ak, n_in, n_tok):
-        rows(mask, tid, w, np.int64(c), out, a32, ak, n_in, n_tok)
-
-    return call
+    return _rows_for(_present(mask))
 
 
 def _rows_for(present: frozenset):
@@ -271,8 +255,7 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                 _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
         prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots[g],
                     q_scale)
-        # n_acc as a plain int64, as the unfused decode step passes it: one compiled attention for both
-        attend_ggml(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, np.int64(4), att, kc[0, 0, 0])
+        attend_ggml(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, 4, att, kc[0, 0, 0])
         # output projection, residual, ffn norm
         n_att = att.shape[1]
         _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))

@@ -359,6 +359,14 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
 
 
+@njit(cache=True, nogil=True)
+def attend_ggml_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+    """attend_ggml for decode tokens (n_acc = 4) with n_acc a compile-time constant, as the fused
+    decode step calls it: one compiled attention for both (the constant also prunes the other
+    order's branches)."""
+    attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
+
+
 @njit(inline="always")
 def _scores_heads(ng, kf, k_off, kstride, qr, q_off, q_stride, s, s_off, s_stride, end4):
     """Scores of keys 0..end4 (a multiple of 4) for ng <= 3 query heads (dot4_heads)."""
