@@ -85,8 +85,9 @@ def _group(builder, w_off, rb):
 
 
 def _ahead(builder, wp, ahead, j, block):
-    """Prefetch block j of the group after the next (its eight rows' blocks j: 8 block bytes, as
-    the rows of a group are contiguous)."""
+    """At block j of a group: prefetch the j-th stretch of eight blocks' bytes from `ahead` on (the
+    group after the next, whose eight rows lie one after another), so the loop's pace reads that
+    group linearly by the time it ends."""
     _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
 
 
