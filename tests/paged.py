@@ -10,7 +10,7 @@ from edgellm.kv_cache import build_layouts
 def attention_step(backend, cache, seqs, step, k, v, q, scale, out, up=np.ascontiguousarray):
     """step: [(index into seqs, tokens)]: grow those sequences, lay the step out in the cache's one
     layer, store k and v (n_tok, n_kv, hd) and attend q into out with `backend`, then commit the
-    tokens. up: the backend's upload (CPU: a contiguous array)."""
+    tokens. up: the backend's upload (CPU: a contiguous array). Returns the tokens' positions."""
     entries = []
     for i, n in step:
         seq = seqs[i]
@@ -23,3 +23,4 @@ def attention_step(backend, cache, seqs, step, k, v, q, scale, out, up=np.ascont
     backend.attention(up(q), lk, pos, scale, out)
     for (seq, _), (_, n) in zip(entries, step):
         seq.commit(np.zeros(n, np.int64))
+    return pos

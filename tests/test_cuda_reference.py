@@ -166,7 +166,7 @@ def quantized_kv_steps(gpu, cpu, kind: str, rng: np.random.Generator):
         for d, cache in caches.items():
             b, up = (gpu, cp.asarray) if d == "gpu" else (cpu, np.ascontiguousarray)
             out = up(np.zeros((n_tok, n_head * cfg.head_dim_v), np.float32))
-            attention_step(b, cache, seqs[d], step, k, v, q, scale, out, up)
+            pos = attention_step(b, cache, seqs[d], step, k, v, q, scale, out, up)  # (the same on both)
             outs[d] = out.get() if d == "gpu" else out
         g, c = caches["gpu"].layers[0], caches["cpu"].layers[0]
         gk, gv, slots = g.k.get(), g.v.get(), g.layout.slots
