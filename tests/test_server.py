@@ -238,6 +238,40 @@ def test_queue_full_is_503(srv):
     srv.idle()
 
 
+def test_a_client_that_left_does_not_hold_a_queue_place(srv):
+    """A client that drops its stream and asks again at once is admitted, though its abandoned
+    request stays in flight until the engine's next step (held off here by the step lock)."""
+    srv.idle()
+    srv.engine.max_waiting = 0
+    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    status = []
+
+    def ask_again():
+        with srv.http.stream("POST", "/v1/completions", json=body) as c:
+            status.append(c.status_code)
+
+    try:
+        with srv.http.stream("POST", "/v1/completions", json=body) as a:
+            b = srv.http.stream("POST", "/v1/completions", json=body)
+            assert a.status_code == b.__enter__().status_code == 200
+            with srv.model.engine.lock:  # no step: b's request cannot end
+                b.__exit__(None, None, None)  # b's client leaves
+                t0 = time.monotonic()
+                while srv.engine.admitted != 1 and time.monotonic() - t0 < 10:
+                    time.sleep(0.01)
+                assert srv.engine.in_flight == 2 and srv.engine.admitted == 1
+                again = threading.Thread(target=ask_again)
+                again.start()
+                while srv.engine.in_flight < 3 and not status and time.monotonic() - t0 < 20:
+                    time.sleep(0.01)
+                assert status == [] and srv.engine.in_flight == 3  # admitted (its submit waits for the lock)
+            again.join(60)
+            assert status == [200]
+    finally:
+        srv.engine.max_waiting = 8
+    srv.idle()
+
+
 # --- errors --------------------------------------------------------------------------------------
 def _shape(r, status: int) -> dict:
     assert r.status_code == status, r.text

@@ -174,6 +174,13 @@ class Engine:
     def n_seq(self) -> int:
         return self.slots if self.loaded else 0
 
+    @property
+    def admitted(self) -> int:
+        """Requests that count against the queue: in flight and not cancelled. A request whose client
+        left holds its slot only until the engine's next step, so a client that gives up and asks
+        again at once is not refused for its own abandoned request."""
+        return sum(1 for s in self.streams if not s.cancelled.is_set())
+
     def require(self) -> None:
         if self.load_error is not None:
             raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
@@ -185,8 +192,8 @@ class Engine:
         self.require()
         if self.closing:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
-        if self.in_flight >= self.n_seq + self.max_waiting:
-            raise APIError(503, f"the server is busy ({self.in_flight} requests running or waiting); "
+        if self.admitted >= self.n_seq + self.max_waiting:
+            raise APIError(503, f"the server is busy ({self.admitted} requests running or waiting); "
                                 "retry later", code="queue_full")
         stream = Stream(self, asyncio.get_running_loop())
         self.in_flight += 1
