@@ -5,7 +5,8 @@ alternating runs, medians, ratios; peak RSS of each in its own process.
     python scripts/bench_vs_llamacpp.py MODEL [-p 512] [-n 128] [-r 3] [-t 2] [-d 0]
                                         [--llama-bench PATH/llama-bench]
 
--d N: both tests after N tokens already in the context (llama-bench's -d). With --llama-bench the
+-d N: both tests after N tokens already in the context (llama-bench's -d), filled in batches of
+max(p, 512) tokens (llama-bench's default micro-batch is 512). With --llama-bench the
 llama.cpp side is that program (its shared libraries next to it), run with -r --reps repetitions.
 
 Each measurement runs in a fresh subprocess (so RSS is per engine) that loads the model once, warms
@@ -25,6 +26,7 @@ WORKER = r'''
 import json, sys, time, resource
 import numpy as np
 engine, path, n_prompt, n_gen, reps, threads, depth = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:8])
+fill = max(n_prompt, 512)  # the batch the depth is filled in (and both engines' batch size)
 rng = np.random.default_rng(0)
 out = {"pp": [], "tg": []}
 if engine == "llama-bench":  # path: "MODEL|BINARY"
@@ -48,7 +50,7 @@ if engine == "llama-bench":  # path: "MODEL|BINARY"
 if engine == "edgellm":
     import edgellm
     t0 = time.perf_counter()
-    m = edgellm.load(path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=max(n_prompt, 1), threads=threads)
+    m = edgellm.load(path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=fill, threads=threads)
     out["load_s"] = time.perf_counter() - t0
     def reset(): m.reset()
     def ev(ids): m.eval(ids)
@@ -56,7 +58,7 @@ if engine == "edgellm":
 else:
     from llama_cpp import Llama
     t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=n_prompt, n_ubatch=n_prompt,
+    llm = Llama(model_path=path, n_ctx=depth + n_prompt + n_gen + 8, n_batch=fill, n_ubatch=fill,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
     out["load_s"] = time.perf_counter() - t0
     def reset(): llm.reset()
@@ -67,8 +69,8 @@ for r in range(reps + 1):  # the first repetition warms up
     ctx = rng.integers(100, vocab - 100, size=depth)
     def prefill():
         reset()
-        for i in range(0, depth, max(n_prompt, 1)):
-            ev(ctx[i:i + max(n_prompt, 1)])
+        for i in range(0, depth, fill):
+            ev(ctx[i:i + fill])
     if n_prompt:
         prefill(); t0 = time.perf_counter(); ev(ids[:n_prompt]); dt = time.perf_counter() - t0
         if r: out["pp"].append(n_prompt / dt)
