@@ -179,7 +179,7 @@ class Engine:
         """Requests that count against the queue: in flight and not cancelled. A request whose client
         left holds its slot only until the engine's next step, so a client that gives up and asks
         again at once is not refused for its own abandoned request."""
-        return sum(1 for s in self.streams if not s.cancelled.is_set())
+        return sum(1 for s in tuple(self.streams) if not s.cancelled.is_set())  # (a copy: tests read it too)
 
     def require(self) -> None:
         if self.load_error is not None:
