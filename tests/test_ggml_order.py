@@ -89,11 +89,11 @@ def test_batches_of_eight_or_more_take_the_tiled_order(ggml_type):
     n_rows = 20 if ggml_type == T.Q4_K else 27  # 27: a chunk of rows is cut short
     raw = _weights(ggml_type, n_rows=n_rows)
     m = cpu.bind(ggml_type, raw, 1024)
-    x = _x(11)  # two groups of four tokens and three left over
-    out = np.empty((11, n_rows), np.float32)
+    x = _x(23)  # two groups of eight tokens, one of four, three left over
+    out = np.empty((23, n_rows), np.float32)
     m.matmul(x, out)
     name = ggml_type.name.lower()
-    for t in range(11):
+    for t in range(23):
         xq, xd, xs, _ = cpu.quantize("q8_k", x[t]).parts
         np.testing.assert_array_equal(out[t], ref.rowdot_tiled(name, raw, xq, xd, xs), err_msg=f"token {t}")
     assert not np.array_equal(out[0], _reference(ggml_type, raw, x[0]))  # not the one-token order

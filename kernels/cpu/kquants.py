@@ -25,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_field, f16_to_f32,
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
-                                        sbdot1_min, sbdot4, sbdot4_min)
+                                        sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min)
 from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
 
 QK_K = 256
@@ -363,22 +363,53 @@ def _unpack_rows(kind, raw, r0, nr, nb):
     return wq, sc, cm, dw, dm
 
 
+@njit(**SERIAL)
+def _transpose8(xd, xs, n8, nb):
+    """The scales and group sums of tokens 0 .. n8 - 1 (n8 a multiple of 8) by groups of eight
+    tokens (see rowdot.tile8_row): xdT[8 (G nb + j) + t], xsT[16 (8 (G nb + j) + p) + 2 t + h]
+    = group 2p + h (int16: |sums| < 2^15)."""
+    xdT = np.empty(n8 * nb, F32)
+    xsT = np.empty(n8 * nb * 16, np.int16)
+    for G in range(n8 // 8):
+        for t in range(8):
+            tok = 8 * G + t
+            for j in range(nb):
+                b = (G * nb + j) * 8
+                xdT[b + t] = xd[tok * nb + j]
+                for p in range(8):
+                    for h in range(2):
+                        xsT[16 * (b + p) + 2 * t + h] = xs[(tok * nb + j) * 16 + 2 * p + h]
+    return xdT, xsT
+
+
 @njit(**JIT)
 def matmul_tiled(kind, raw, xq, xd, xs, out):
     """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order. A chunk
-    of rows is unpacked once (codes, pair scales, corrections) and the tokens pass over it four
-    at a time."""
+    of rows is unpacked once (codes, pair scales, corrections) and the tokens pass over it eight
+    at a time (rowdot.tile8_row: the eight tokens as vector lanes), the rest four and one at a time."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     has_min = _SB_LAYOUT[kind][2] >= 0
+    n8 = n_tok - n_tok % 8
     n4 = n_tok - n_tok % 4
     xstride = nb * U(QK_K)
     gstride = nb * U(16)
+    xdT, xsT = _transpose8(xd, xs, n8, nb)
     for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
         r0 = c * TILED_ROWS
         nr = min(TILED_ROWS, n_rows - r0)
         wq, sc, cm, dw, dm = _unpack_rows(kind, raw, r0, nr, nb)
-        for t in range(0, n4, 4):
+        for t in range(0, n8, 8):
+            for i in range(nr):
+                k0 = U(i) * nb
+                g_off = U(t) * nb
+                if has_min:
+                    a = tile8_min(wq, sc, cm, k0, dw, dm, xq, U(t) * xstride, xstride, xsT, xdT, g_off, nb)
+                else:
+                    a = tile8_corr(wq, sc, cm, k0, dw, dm, xq, U(t) * xstride, xstride, xsT, xdT, g_off, nb)
+                for u in range(8):
+                    out[t + u, r0 + i] = a[u]
+        for t in range(n8, n4, 4):
             for i in range(nr):
                 a0 = a1 = a2 = a3 = F32(0.0)
                 for j in range(nb):

@@ -433,6 +433,102 @@ sbdot1_min = sbdot_tile(1, True)
 sbdot4_min = sbdot_tile(4, True)
 
 
+# --- eight tokens at a time, the whole row: the tiled product's float steps as lanes -----------
+def _reduce8(builder, vs):
+    """<8 x i32>: lane t = the lane sum of vs[t], for eight <8 x i32> (integers: any order is
+    exact): unpack-and-add rounds within the 128-bit halves, then the halves added."""
+    def sh(a, b, mask):
+        return builder.shuffle_vector(a, b, ir.Constant(_i32(8), mask))
+
+    def four(a, b, c, d):  # [a b c d] sums of the low halves | of the high halves
+        ab = builder.add(sh(a, b, [0, 8, 1, 9, 4, 12, 5, 13]), sh(a, b, [2, 10, 3, 11, 6, 14, 7, 15]))
+        cd = builder.add(sh(c, d, [0, 8, 1, 9, 4, 12, 5, 13]), sh(c, d, [2, 10, 3, 11, 6, 14, 7, 15]))
+        return builder.add(sh(ab, cd, [0, 1, 8, 9, 4, 5, 12, 13]), sh(ab, cd, [2, 3, 10, 11, 6, 7, 14, 15]))
+
+    lo, hi = four(*vs[:4]), four(*vs[4:])
+    return builder.add(sh(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]), sh(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
+
+
+def _pair_splat(builder, base, offset):
+    """<16 x i16>: the two int16 at base[offset], base[offset + 1] repeated eight times."""
+    pair = _load_vec(builder, base, offset, _i16(2))
+    return builder.shuffle_vector(pair, pair, ir.Constant(_i32(16), [0, 1] * 8))
+
+
+def tile8_row(with_corr, with_min):
+    """A row of a K-quant matrix unpacked as for sbdot_tile, times eight tokens, every
+    super-block in llama.cpp's tiled float order (see kquants.matmul_tiled), the eight tokens as
+    the lanes of one vector:
+
+        tile8(wq, sc, cm, k0, dw, dm, xq, x_off, x_stride, xsT, xdT, g_off, nb) -> 8 x float32
+
+    super-block j of the row is unpacked super-block k0 + j (wq[256 k..], sc[128 k..], cm[32 k..],
+    dw[k], dm[k]); token t's x block j at xq[x_off + t x_stride + 256 j]; xsT (int16) the eight
+    tokens' sums per 16, at g_off * 16 + 128 j + 16 p + 2 t + h = group 2p + h of token t; xdT
+    (float32) the tokens' scales at g_off + 8 j + t. with_corr: s1 gains sum cm[g] xs[g] (the
+    codes' offset); with_min: s2 = sum cm[16 + g] xs[g]."""
+    @intrinsic
+    def tile8(typingctx, wq, sc, cm, k0, dw, dm, xq, x_off, x_stride, xsT, xdT, g_off, nb):
+        ret = types.UniTuple(types.float32, 8)
+        u64 = types.uint64
+        sig = ret(wq, sc, cm, u64, dw, dm, xq, u64, u64, xsT, xdT, u64, u64)
+
+        def codegen(context, builder, signature, args):
+            (wq_, sc_, cm_, k0_, dw_, dm_, xq_, x_off_, x_stride_, xsT_, xdT_, g_off_, nb_) = args
+            a = signature.args
+            wp, sp, cp = (_ptr(context, builder, a[i], v) for i, v in ((0, wq_), (1, sc_), (2, cm_)))
+            dwp, dmp = _ptr(context, builder, a[4], dw_), _ptr(context, builder, a[5], dm_)
+            xp, gp, dp = (_ptr(context, builder, a[i], v) for i, v in ((6, xq_), (9, xsT_), (10, xdT_)))
+            xo = [builder.add(x_off_, builder.mul(const(t), x_stride_)) for t in range(8)]
+            g16 = builder.mul(g_off_, const(16))
+            acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
+            with cgutils.for_range(builder, nb_) as loop:
+                j = loop.index
+                k = builder.add(k0_, j)
+                w0, s0, c0 = builder.mul(k, const(256)), builder.mul(k, const(128)), builder.mul(k, const(32))
+                xj = builder.mul(j, const(256))
+                sums = [None] * 8
+                for c in range(8):
+                    w = _load_vec(builder, wp, builder.add(w0, const(32 * c)), _i8(32))
+                    s = _load_vec(builder, sp, builder.add(s0, const(16 * c)), _i16(16))
+                    for t in range(8):
+                        y = _load_vec(builder, xp, builder.add(builder.add(xo[t], xj), const(32 * c)), _i8(32))
+                        p = _pair_scaled(builder, w, y, s)
+                        sums[t] = p if sums[t] is None else builder.add(sums[t], p)
+                s1 = _reduce8(builder, sums)
+                gj = builder.add(g16, builder.mul(j, const(128)))
+                xs = [_load_vec(builder, gp, builder.add(gj, const(16 * p)), _i16(16)) for p in range(8)] \
+                    if (with_corr or with_min) else None
+
+                def groups(first):
+                    v = None
+                    for p in range(8):
+                        m = _madd16(builder, xs[p], _pair_splat(builder, cp, builder.add(c0, const(first + 2 * p))))
+                        v = m if v is None else builder.add(v, m)
+                    return v
+
+                if with_corr:
+                    s1 = builder.add(s1, groups(0))
+                res = builder.fmul(_splat(builder, builder.load(builder.gep(dwp, [k])), _V8F), builder.sitofp(s1, _V8F))
+                if with_min:
+                    s2 = builder.sitofp(groups(16), _V8F)
+                    dm = builder.fneg(builder.load(builder.gep(dmp, [k])))
+                    res = _fma(builder, _splat(builder, dm, _V8F), s2, res)
+                xd = _load_vec(builder, dp, builder.add(g_off_, builder.mul(j, const(8))), _V8F)
+                builder.store(_fma(builder, res, xd, builder.load(acc_ptr)), acc_ptr)
+            acc = builder.load(acc_ptr)
+            vals = [builder.extract_element(acc, ir.Constant(ir.IntType(32), t)) for t in range(8)]
+            return context.make_tuple(builder, ret, vals)
+
+        return sig, codegen
+
+    return tile8
+
+
+tile8_corr = tile8_row(True, False)
+tile8_min = tile8_row(False, True)
+
+
 # --- four tokens at a time ---------------------------------------------------------------------
 # The prompt products: a row's blocks are unpacked once and multiplied with four tokens' blocks,
 # each token keeping its own accumulators, so every (row, token) result is the one-token row dot
