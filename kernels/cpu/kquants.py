@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as GGMLType
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
-                                        sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min)
+                                        sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
+                                        unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
 from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
 
 QK_K = 256
@@ -269,57 +270,49 @@ TILED_MIN = 8
 @njit(inline="always")
 def _unpack_sb(kind, row, o, wq, sc, cm, k, scg):
     """Super-block k of a row tile, from the Q<kind>_K block at byte o of row, as unsigned codes
-    wq[256 k + i] (code = q + offset, 0..63), the scale of each pair of weights sc[128 k + p]
-    and, per group g of 16, cm[32 k + g] = -offset * scale and cm[32 k + 16 + g] = min, so that
-    for a token's x: s1 = sum sc * code * x + sum corr * xs and s2 = sum min * xs (xs: x's sums
-    per 16; see rowdot.sbdot_tile). scg: scratch for the 16 group scales."""
+    wq[256 k + i] (code = q + offset, 0..63: rowdot.unpack_codes), the scale of each pair of
+    weights sc[128 k + p] and, per group g of 16, cm[32 k + g] = -offset * scale and
+    cm[32 k + 16 + g] = min, so that for a token's x: s1 = sum sc * code * x + sum corr * xs and
+    s2 = sum min * xs (xs: x's sums per 16; see rowdot.sbdot_tile). scg: scratch for the 16
+    group scales."""
     w0 = U(256) * k
     g0 = U(32) * k
     if kind == 2:
-        for c in range(U(2)):
-            for s in range(U(4)):
-                for l in range(U(32)):
-                    wq[w0 + U(128) * c + U(32) * s + l] = (row[o + U(16) + U(32) * c + l] >> U(2 * s)) & U(3)
+        unpack_q2_k(row, o, wq, w0)
+    elif kind == 3:
+        unpack_q3_k(row, o, wq, w0)
+    elif kind == 4:
+        unpack_q4_k(row, o, wq, w0)
+    elif kind == 5:
+        unpack_q5_k(row, o, wq, w0)
+    else:
+        unpack_q6_k(row, o, wq, w0)
+    if kind == 2:
         for g in range(U(16)):
             scg[g] = I32(row[o + g]) & I32(15)
             cm[g0 + g] = 0
             cm[g0 + U(16) + g] = I32(row[o + g]) >> I32(4)
     elif kind == 3:  # q = low 2 bits + 4 * hmask bit - 4
-        for c in range(U(2)):
-            for s in range(U(4)):
-                for l in range(U(32)):
-                    wq[w0 + U(128) * c + U(32) * s + l] = ((row[o + U(32) + U(32) * c + l] >> U(2 * s)) & U(3)) \
-                        | (((row[o + l] >> U(4 * c + s)) & U(1)) << U(2))
         for g in range(U(16)):
             scg[g] = _q3_scale(row, o + U(96), g)
             cm[g0 + g] = I32(-4) * scg[g]
             cm[g0 + U(16) + g] = 0
     elif kind == 6:  # q = 6-bit code - 32
-        for h in range(U(2)):
-            for t in range(U(4)):
-                for l in range(U(32)):
-                    lo = (row[o + U(64) * h + U(32) * (t & U(1)) + l] >> U(4 * (t >> U(1)))) & U(15)
-                    hi = (row[o + U(128) + U(32) * h + l] >> U(2 * t)) & U(3)
-                    wq[w0 + U(128) * h + U(32) * t + l] = lo | (hi << U(4))
         for g in range(U(16)):
             scg[g] = I32(np.int8(row[o + U(192) + g]))
             cm[g0 + g] = I32(-32) * scg[g]
             cm[g0 + U(16) + g] = 0
     else:  # Q4_K, Q5_K: sub-blocks of 32 with a scale and a min
-        qs = U(16) if kind == 4 else U(48)
         for b in range(U(8)):
             sc_b, mn_b = _scale_min(row, o + U(4), b)
-            for l in range(U(32)):
-                q = (row[o + qs + U(32) * (b >> U(1)) + l] >> U(4 * (b & U(1)))) & U(15)
-                if kind == 5:
-                    q |= ((row[o + U(16) + l] >> b) & U(1)) << U(4)
-                wq[w0 + U(32) * b + l] = q
             for g in range(U(2) * b, U(2) * b + U(2)):
                 scg[g] = sc_b
                 cm[g0 + g] = 0
                 cm[g0 + U(16) + g] = mn_b
-    for p in range(U(128)):
-        sc[U(128) * k + p] = scg[p >> U(3)]
+    for g in range(U(16)):
+        v = np.int16(scg[g])
+        for q in range(U(8)):
+            sc[U(128) * k + U(8) * g + q] = v
 
 
 # by kind (2..6): bytes per super-block, byte offset of d, of dmin (-1: no mins)
