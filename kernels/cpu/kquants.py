@@ -30,7 +30,7 @@ from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U,
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
                                         sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
                                         unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
-from edgellm.kernels.cpu.rows8 import rows8_q4_k, rows8x4_q4_k
+from edgellm.kernels.cpu.rows8 import IL_SB, il8x4_q4_k, rows8_q4_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -219,12 +219,46 @@ def matvec_q4_k(raw, xq, xd, xs, xm, out):
         out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
 
 
+@njit(inline="always")
+def interleave8_q4_k(raw, r0, n_groups, nb):
+    """Rows r0 .. r0 + 8 n_groups of a Q4_K matrix interleaved by eight for rows8.il8x4_q4_k:
+    super-block j of group i is g = i nb + j; codes[IL_SB g + 32 (8 b + s) + 4 r + q] = code
+    4s + q of sub-block b of row r; scl[128 g + 16 b + 2 r + (0, 1)] its scale; mns[64 g + 8 b + r]
+    its min; dws / dms[8 g + r] its d / dmin."""
+    n_sb = U(n_groups) * nb
+    codes = np.empty(n_sb * U(IL_SB), np.uint8)
+    scl = np.empty(n_sb * U(128), np.int16)
+    mns = np.empty(n_sb * U(64), I32)
+    dws = np.empty(n_sb * U(8), F32)
+    dms = np.empty(n_sb * U(8), F32)
+    row_codes = np.empty(256, np.uint8)
+    c32 = codes.view(np.uint32)
+    r32 = row_codes.view(np.uint32)
+    for i in range(n_groups):
+        for r in range(U(8)):
+            row = raw[r0 + U(8) * U(i) + r]
+            for j in range(nb):
+                g = U(i) * nb + j
+                o = j * U(Q4_K_BYTES)
+                unpack_q4_k(row, o, row_codes, U(0))
+                for b in range(U(8)):
+                    for st in range(U(8)):
+                        c32[(g * U(64) + U(8) * b + st) * U(8) + r] = r32[U(8) * b + st]
+                    sc, mn = _scale_min(row, o + U(4), b)
+                    scl[U(128) * g + U(16) * b + U(2) * r] = sc
+                    scl[U(128) * g + U(16) * b + U(2) * r + U(1)] = sc
+                    mns[U(64) * g + U(8) * b + r] = mn
+                dws[U(8) * g + r] = load_f16(row, o)
+                dms[U(8) * g + r] = load_f16(row, o + U(2))
+    return codes, scl, mns, dws, dms
+
+
 @njit(**JIT)
 def matmul_q4_k(raw, xq, xd, xs, xm, out):
     """The repacked Q4_K order for a batch (see _row_q4_k): four tokens at a time with a step per
-    pair of sub-blocks (rows8x4_q4_k, eight rows per tile), the rest of the tokens with one per
-    super-block (rows8_q4_k), the last n_rows % 8 rows one by one; chunks of 16 rows per thread,
-    read from the cache by every token group."""
+    pair of sub-blocks, the rest of the tokens with one per super-block (rows8_q4_k), the last
+    n_rows % 8 rows one by one. Chunks of 16 rows per thread, interleaved once (interleave8_q4_k)
+    for the groups of four tokens (rows8.il8x4_q4_k)."""
     n_tok, n_rows = out.shape
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
@@ -232,10 +266,14 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
     for c in prange((n_rows + 15) // 16):
         r0 = c * 16
         r1 = min(r0 + 16, n_rows)
-        r8 = r0 + (r1 - r0) // 8 * 8
-        for t in range(0, n_gemm, 4):
-            for r in range(r0, r8, 8):
-                rows8x4_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r), ns)
+        n8 = (r1 - r0) // 8
+        r8 = r0 + n8 * 8
+        if n_gemm > 0 and n8 > 0:
+            codes, scl, mns, dws, dms = interleave8_q4_k(raw, U(r0), n8, nb)
+            for t in range(0, n_gemm, 4):
+                for i in range(n8):
+                    il8x4_q4_k(codes, scl, mns, dws, dms, U(i) * nb, xq, xd, xs, U(t) * nb, nb, flat,
+                               U(t) * ns + U(r0 + 8 * i), ns)
         for t in range(n_gemm, n_tok):
             for r in range(r0, r8, 8):
                 rows8_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
