@@ -22,7 +22,7 @@ from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1u, rowdo
                                         rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
                                         njit, prange)
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q8_0, rows8x4_q4_0
+from edgellm.kernels.cpu.rows8 import IL_Q4_0, il8x4_q4_0, rows8_q4_0, rows8_q8_0
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]
@@ -300,23 +300,51 @@ def matmul_q5_1(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot1_q5_1(raw, U(r) * rb, xq, ut * nb * U(32), U(0), xd, xm, ut * nb, nb)
 
 
+@njit(inline="always")
+def interleave8_q4_0(raw, r0, n_groups, nb):
+    """Rows r0 .. r0 + 8 n_groups of a Q4_0 matrix interleaved by eight for rows8.il8x4_q4_0:
+    block j of group i is g = i nb + j; codes[256 g + 32 s + 4 r + q] = code 4s + q (weight
+    order: the 16 low nibbles, then the 16 high) of row r's block, dws[8 g + r] its d."""
+    n_blk = U(n_groups) * nb
+    codes = np.empty(n_blk * U(IL_Q4_0), np.uint8)
+    dws = np.empty(n_blk * U(8), F32)
+    for i in range(n_groups):
+        for r in range(U(8)):
+            row = raw[r0 + U(8) * U(i) + r]
+            for j in range(nb):
+                g = U(i) * nb + j
+                o = j * U(18)
+                dws[U(8) * g + r] = load_f16(row, o)
+                for w in range(U(16)):
+                    byte = row[o + U(2) + w]
+                    codes[U(IL_Q4_0) * g + U(32) * (w >> U(2)) + U(4) * r + (w & U(3))] = byte & U(15)
+                    w1 = w + U(16)
+                    codes[U(IL_Q4_0) * g + U(32) * (w1 >> U(2)) + U(4) * r + (w1 & U(3))] = byte >> U(4)
+    return codes, dws
+
+
 @njit(**JIT)
 def matmul_q4_0(raw, xq, xd, xs, xm, out):
-    """Tiles of eight rows x four tokens (rows8x4_q4_0), the rest of the rows and tokens one by
-    one: every output the one-token row kernel's, bit for bit."""
+    """Tiles of eight rows x four tokens (rows8.il8x4_q4_0, each chunk of rows interleaved once),
+    the rest of the rows and tokens one by one: every output the one-token row kernel's, bit
+    for bit."""
     n_tok, n_rows = out.shape
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n4 = n_tok - n_tok % 4
+    flat = out.reshape(-1)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
-        r8 = r0 + (r1 - r0) // 8 * 8
-        for t in range(0, n4, 4):
-            for r in range(r0, r8, 8):
-                rows8x4_q4_0(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, out.reshape(-1), U(t) * ns + U(r), ns)
+        n8 = (r1 - r0) // 8
+        r8 = r0 + n8 * 8
+        if n4 > 0 and n8 > 0:
+            codes, dws = interleave8_q4_0(raw, U(r0), n8, nb)
+            for t in range(0, n4, 4):
+                for i in range(n8):
+                    il8x4_q4_0(codes, dws, U(i) * nb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r0 + 8 * i), ns)
         for t in range(n4, n_tok):
             for r in range(r0, r8, 8):
-                rows8_q4_0(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, out.reshape(-1), U(t) * ns + U(r))
+                rows8_q4_0(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
         for t in range(n_tok):
             for r in range(r8, r1):
                 out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)

@@ -11,7 +11,8 @@ order. So each output is the one-row kernel's, bit for bit, and eight row stream
 
     rows8_q4_0(w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off)
     rows8_q4_k(w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off)
-    rows8x4_q4_0(w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off, out_stride)  # four tokens
+    il8x4_q4_0(codes, dws, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
+        # four tokens, Q4_0 rows interleaved by legacy.interleave8_q4_0
     il8x4_q4_k(codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
         # four tokens, Q4_K rows interleaved by kquants.interleave8_q4_k (gemm order)
 
@@ -150,36 +151,6 @@ def _q4_0_sums(builder, codes, xp, sp, i):
     quads = [_madd16(builder, _maddubs(builder, q, x), ir.Constant(_i16(16), [1] * 16)) for q in codes]
     xs8 = builder.mul(builder.load(builder.gep(sp, [i])), ir.Constant(_I32, 8))
     return builder.sub(_reduce8(builder, quads), _splat(builder, xs8, _i32(8)))
-
-
-@intrinsic
-def rows8x4_q4_0(typingctx, w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off, out_stride):
-    """rows8_q4_0 for four tokens (token t's blocks at b_off + t nb, its results at out_off +
-    t out_stride): each block's codes are unpacked once for the four; every (row, token) result
-    is the one-token kernel's, bit for bit. No prefetch (the prompt products read rows in cache)."""
-    sig = types.void(w, types.uint64, types.uint64, xq, xd, xs, types.uint64, types.uint64, out, types.uint64,
-                     types.uint64)
-
-    def codegen(context, builder, signature, args):
-        w_off_, rb_, b_off_, nb_, out_off_, out_stride_ = args[1], args[2], args[6], args[7], args[9], args[10]
-        wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 3, 4, 5, 8))
-        rows, _ = _group(builder, w_off_, rb_)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
-        with cgutils.for_range(builder, nb_) as loop:
-            j = loop.index
-            offs = [builder.add(r, builder.mul(j, const(18))) for r in rows]
-            codes = _q4_0_codes(builder, wp, offs)
-            dw = _halves8(builder, wp, offs)
-            for t in range(4):
-                i = builder.add(builder.add(b_off_, builder.mul(const(t), nb_)), j)
-                isum = _q4_0_sums(builder, codes, xp, sp, i)
-                d = builder.fmul(dw, _splat(builder, builder.load(builder.gep(dp, [i])), _V8F))
-                builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(accs[t])), accs[t])
-        for t in range(4):
-            _store8(builder, op, builder.add(out_off_, builder.mul(const(t), out_stride_)), builder.load(accs[t]))
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 def _q4_k_sums(builder, wp, offs, xp, sp, i):
@@ -322,6 +293,47 @@ def il8x4_q4_k(typingctx, codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, n
         for t in range(4):
             res = builder.fsub(builder.load(accs[t]), builder.load(accms[t]))
             _store8(builder, op, builder.add(out_off_, builder.mul(const(t), out_stride_)), res)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+IL_Q4_0 = 256  # interleaved code bytes per block of eight Q4_0 rows
+
+
+@intrinsic
+def il8x4_q4_0(typingctx, codes, dws, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
+    """rows8_q4_0's results (bit for bit) for four tokens and eight Q4_0 rows interleaved at
+    block g_off on (legacy.interleave8_q4_0: codes[256 g + 32 s + 4 r + q] = code 4s + q of row
+    r's block, dws[8 g + r] its d): per step a broadcast of four x bytes and one pmaddubsw per token into
+    16-bit lanes (eight steps: |sum| <= 8 * 2 * 15 * 128 < 2^15), then one pmaddwd per block;
+    lane r is row r's sum q . x, minus 8 (x's block sum) as the one-token kernel takes it."""
+    u64 = types.uint64
+    sig = types.void(codes, dws, u64, xq, xd, xs, u64, u64, out, u64, u64)
+
+    def codegen(context, builder, signature, args):
+        g_off_, b_off_, nb_, out_off_, out_stride_ = args[2], args[6], args[7], args[9], args[10]
+        cp, dwp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 1, 3, 4, 5, 8))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(4)]
+        ones = ir.Constant(_i16(16), [1] * 16)
+        with cgutils.for_range(builder, nb_) as loop:
+            j = loop.index
+            g = builder.add(g_off_, j)
+            dw = _load_vec(builder, dwp, builder.mul(g, const(8)), _V8F)
+            its = [builder.add(builder.add(b_off_, builder.mul(const(t), nb_)), j) for t in range(4)]
+            acc16 = [ir.Constant(_i16(16), [0] * 16)] * 4
+            for s in range(8):
+                w = _load_vec(builder, cp, builder.add(builder.mul(g, const(IL_Q4_0)), const(32 * s)), _i8(32))
+                for t, i in enumerate(its):
+                    x4 = _load_vec(builder, xp, builder.add(builder.mul(i, const(32)), const(4 * s)), ir.IntType(32))
+                    acc16[t] = builder.add(acc16[t], _maddubs(builder, w, builder.bitcast(_splat(builder, x4, _i32(8)), _i8(32))))
+            for t, i in enumerate(its):
+                xs8 = builder.mul(builder.load(builder.gep(sp, [i])), ir.Constant(_I32, 8))
+                isum = builder.sub(_madd16(builder, acc16[t], ones), _splat(builder, xs8, _i32(8)))
+                d = builder.fmul(dw, _splat(builder, builder.load(builder.gep(dp, [i])), _V8F))
+                builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(accs[t])), accs[t])
+        for t in range(4):
+            _store8(builder, op, builder.add(out_off_, builder.mul(const(t), out_stride_)), builder.load(accs[t]))
         return context.get_dummy_value()
 
     return sig, codegen
