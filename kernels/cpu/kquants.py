@@ -219,16 +219,25 @@ def matvec_q4_k(raw, xq, xd, xs, xm, out):
         out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
 
 
+@njit(**SERIAL)
+def sums32(xs):
+    """int16 sums of x per 32 (Q8_K parts' sums per 16, added in pairs) for il8x4_q4_k."""
+    out = np.empty(xs.size // 2, np.int16)
+    for k in range(out.size):
+        out[k] = xs[2 * k] + xs[2 * k + 1]
+    return out
+
+
 @njit(inline="always")
 def interleave8_q4_k(raw, r0, n_groups, nb):
     """Rows r0 .. r0 + 8 n_groups of a Q4_K matrix interleaved by eight for rows8.il8x4_q4_k:
     super-block j of group i is g = i nb + j; codes[IL_SB g + 32 (8 b + s) + 4 r + q] = code
-    4s + q of sub-block b of row r; scl[128 g + 16 b + 2 r + (0, 1)] its scale; mns[64 g + 8 b + r]
-    its min; dws / dms[8 g + r] its d / dmin."""
+    4s + q of sub-block b of row r; scl[128 g + 16 b + 2 r + (0, 1)] its scale;
+    mns[64 g + 16 (b // 2) + 2 r + b % 2] its min (pairs of sub-blocks as i16 pairs); dws / dms[8 g + r] its d / dmin."""
     n_sb = U(n_groups) * nb
     codes = np.empty(n_sb * U(IL_SB), np.uint8)
     scl = np.empty(n_sb * U(128), np.int16)
-    mns = np.empty(n_sb * U(64), I32)
+    mns = np.empty(n_sb * U(64), np.int16)
     dws = np.empty(n_sb * U(8), F32)
     dms = np.empty(n_sb * U(8), F32)
     row_codes = np.empty(256, np.uint8)
@@ -247,7 +256,7 @@ def interleave8_q4_k(raw, r0, n_groups, nb):
                     sc, mn = _scale_min(row, o + U(4), b)
                     scl[U(128) * g + U(16) * b + U(2) * r] = sc
                     scl[U(128) * g + U(16) * b + U(2) * r + U(1)] = sc
-                    mns[U(64) * g + U(8) * b + r] = mn
+                    mns[U(64) * g + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
                 dws[U(8) * g + r] = load_f16(row, o)
                 dms[U(8) * g + r] = load_f16(row, o + U(2))
     return codes, scl, mns, dws, dms
@@ -263,6 +272,7 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
     flat = out.reshape(-1)
+    xs32 = sums32(xs)
     for c in prange((n_rows + 15) // 16):
         r0 = c * 16
         r1 = min(r0 + 16, n_rows)
@@ -272,7 +282,7 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
             codes, scl, mns, dws, dms = interleave8_q4_k(raw, U(r0), n8, nb)
             for t in range(0, n_gemm, 4):
                 for i in range(n8):
-                    il8x4_q4_k(codes, scl, mns, dws, dms, U(i) * nb, xq, xd, xs, U(t) * nb, nb, flat,
+                    il8x4_q4_k(codes, scl, mns, dws, dms, U(i) * nb, xq, xd, xs32, U(t) * nb, nb, flat,
                                U(t) * ns + U(r0 + 8 * i), ns)
         for t in range(n_gemm, n_tok):
             for r in range(r0, r8, 8):

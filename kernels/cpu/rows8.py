@@ -243,7 +243,9 @@ def il8x4_q4_k(typingctx, codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, n
     """Eight Q4_K rows x four tokens in the order of llama.cpp's four-token Q4_K kernel
     (kquants._row_q4_k with per_pair: an fma per pair of sub-blocks, bit for bit) for eight rows
     interleaved at super-block g_off on (kquants.interleave8_q4_k): token t's super-blocks at
-    b_off + t nb, its results at out_off + t out_stride."""
+    b_off + t nb, its results at out_off + t out_stride. xs here: int16 sums of x per sub-block
+    of 32 (kquants.sums32; |sum| <= 32 * 128), block i's eight at 8 i; the mins as i16 pairs, so
+    a pair of sub-blocks' min term is one pmaddwd for the eight rows."""
     u64 = types.uint64
     sig = types.void(codes, scl, mns, dws, dms, u64, xq, xd, xs, u64, u64, out, u64, u64)
 
@@ -281,13 +283,10 @@ def il8x4_q4_k(typingctx, codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, n
                     for t in range(4):
                         p = _madd16(builder, acc16[t], sc)
                         parts[t] = p if parts[t] is None else builder.add(parts[t], p)
-                m0 = _load_vec(builder, mp, builder.add(builder.mul(g, const(64)), const(8 * 2 * c)), _i32(8))
-                m1 = _load_vec(builder, mp, builder.add(builder.mul(g, const(64)), const(8 * (2 * c + 1))), _i32(8))
+                mc = _load_vec(builder, mp, builder.add(builder.mul(g, const(64)), const(16 * c)), _i16(16))
                 for t, i in enumerate(its):
-                    gi = builder.add(builder.mul(i, const(16)), const(4 * c))
-                    xsv = [builder.load(builder.gep(gp, [builder.add(gi, const(k))])) for k in range(4)]
-                    msum = builder.add(builder.mul(m0, _splat(builder, builder.add(xsv[0], xsv[1]), _i32(8))),
-                                       builder.mul(m1, _splat(builder, builder.add(xsv[2], xsv[3]), _i32(8))))
+                    x2 = _load_vec(builder, gp, builder.add(builder.mul(i, const(8)), const(2 * c)), ir.IntType(32))
+                    msum = _madd16(builder, mc, builder.bitcast(_splat(builder, x2, _i32(8)), _i16(16)))
                     builder.store(_fma(builder, builder.sitofp(parts[t], _V8F), dd[t], builder.load(accs[t])), accs[t])
                     builder.store(_fma(builder, builder.sitofp(msum, _V8F), dm[t], builder.load(accms[t])), accms[t])
         for t in range(4):
