@@ -222,7 +222,9 @@ def test_pings_while_a_long_prompt_is_evaluated(srv):
 def test_queue_full_is_503(srv):
     srv.idle()
     srv.engine.max_waiting = 0
-    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # ~1000 tokens each: on a fast machine 300 tokens once ran out (~2 s) while a busy host was
+    # between the first 200 and taking the step lock
+    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     try:
         with srv.http.stream("POST", "/v1/completions", json=body) as a, \
                 srv.http.stream("POST", "/v1/completions", json=body) as b:
