@@ -57,11 +57,16 @@ FAST_IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 def _host_features() -> set[str]:
     if numba.config.CPU_NAME not in (None, "host"):
         return set()  # cross-compiling for a generic CPU: portable IR only
-    return {f[1:] for f in llvm_binding.get_host_cpu_features().flatten().split(",") if f[:1] == "+"}
+    # NUMBA_CPU_FEATURES, when set, is what LLVM compiles for (e.g. the host less AVX-512)
+    flat = numba.config.CPU_FEATURES or llvm_binding.get_host_cpu_features().flatten()
+    return {f[1:] for f in flat.split(",") if f[:1] == "+"}
 
 
 _FEATURES = _host_features()
 AVX2 = "avx2" in _FEATURES
+# vpdpbusd: four u8 x s8 products summed into each int32 lane in one instruction (AVX-VNNI, or
+# AVX-512 VNNI with 256-bit forms)
+VNNI = AVX2 and ("avxvnni" in _FEATURES or {"avx512vnni", "avx512vl"} <= _FEATURES)
 F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
 

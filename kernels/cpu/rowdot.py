@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, _abs_sign, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import AVX2, VNNI, _abs_sign, _fn, _i8, _i16, _i32, _splat
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -62,9 +62,18 @@ def _fma(builder, a, b, c):
     return builder.call(_fn(builder, name, t, [t, t, t]), [a, b, c])
 
 
+def _dpbusd(builder, acc, u8, s8):
+    """<8 x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] (vpdpbusd; VNNI only)."""
+    # the multiplicands as <8 x i32>: LLVM before 21 declares them so, later ones upgrade the call
+    u, s = builder.bitcast(u8, _i32(8)), builder.bitcast(s8, _i32(8))
+    return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _i32(8), [_i32(8)] * 3), [acc, u, s])
+
+
 def _quad_sums(builder, u8, s8):
     """<8 x i32>: lane j = sum_{k<4} u8[4j+k] * s8[4j+k] (u8 unsigned, s8 signed; pair sums fit
-    int16, as pmaddubsw requires)."""
+    int16, as pmaddubsw requires). The same integers from one vpdpbusd where the CPU has it."""
+    if VNNI:
+        return _dpbusd(builder, ir.Constant(_i32(8), [0] * 8), u8, s8)
     if AVX2:
         pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
         ones = ir.Constant(_i16(16), [1] * 16)

@@ -27,8 +27,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, _fn, _i8, _i16, _i32, _splat
-from edgellm.kernels.cpu.rowdot import _V8F, _fma, _k_scales, _load_vec, _madd16, _ptr, const
+from edgellm.kernels.cpu.common import AVX2, VNNI, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.rowdot import _V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _ptr, _quad_sums, const
 from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
 
 _I32 = ir.IntType(32)
@@ -148,7 +148,7 @@ def _q4_0_codes(builder, wp, offs):
 def _q4_0_sums(builder, codes, xp, sp, i):
     """<8 x i32>: row r's sum of (q - 8) x over block i of x."""
     x = _load_vec(builder, xp, builder.mul(i, const(32)), _i8(32))
-    quads = [_madd16(builder, _maddubs(builder, q, x), ir.Constant(_i16(16), [1] * 16)) for q in codes]
+    quads = [_quad_sums(builder, q, x) for q in codes]
     xs8 = builder.mul(builder.load(builder.gep(sp, [i])), ir.Constant(_I32, 8))
     return builder.sub(_reduce8(builder, quads), _splat(builder, xs8, _i32(8)))
 
@@ -199,7 +199,7 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
                      types.uint64)
 
     def codegen(context, builder, signature, args):
-        from edgellm.kernels.cpu.rowdot import _abs_sign, _hsum8, _load_half, _quad_sums
+        from edgellm.kernels.cpu.rowdot import _abs_sign, _hsum8, _load_half
 
         w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
         wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
@@ -320,15 +320,19 @@ def il8x4_q4_0(typingctx, codes, dws, g_off, xq, xd, xs, b_off, nb, out, out_off
             g = builder.add(g_off_, j)
             dw = _load_vec(builder, dwp, builder.mul(g, const(8)), _V8F)
             its = [builder.add(builder.add(b_off_, builder.mul(const(t), nb_)), j) for t in range(4)]
-            acc16 = [ir.Constant(_i16(16), [0] * 16)] * 4
+            # VNNI: vpdpbusd sums each step's four products straight into the 32-bit lanes
+            acc = [ir.Constant(_i32(8) if VNNI else _i16(16), [0] * (8 if VNNI else 16))] * 4
             for s in range(8):
                 w = _load_vec(builder, cp, builder.add(builder.mul(g, const(IL_Q4_0)), const(32 * s)), _i8(32))
                 for t, i in enumerate(its):
                     x4 = _load_vec(builder, xp, builder.add(builder.mul(i, const(32)), const(4 * s)), ir.IntType(32))
-                    acc16[t] = builder.add(acc16[t], _maddubs(builder, w, builder.bitcast(_splat(builder, x4, _i32(8)), _i8(32))))
+                    xv = builder.bitcast(_splat(builder, x4, _i32(8)), _i8(32))
+                    acc[t] = (_dpbusd(builder, acc[t], w, xv) if VNNI else
+                              builder.add(acc[t], _maddubs(builder, w, xv)))
             for t, i in enumerate(its):
                 xs8 = builder.mul(builder.load(builder.gep(sp, [i])), ir.Constant(_I32, 8))
-                isum = builder.sub(_madd16(builder, acc16[t], ones), _splat(builder, xs8, _i32(8)))
+                lanes = acc[t] if VNNI else _madd16(builder, acc[t], ones)
+                isum = builder.sub(lanes, _splat(builder, xs8, _i32(8)))
                 d = builder.fmul(dw, _splat(builder, builder.load(builder.gep(dp, [i])), _V8F))
                 builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(accs[t])), accs[t])
         for t in range(4):
