@@ -323,6 +323,9 @@ def interleave8_q4_0(raw, r0, n_groups, nb):
     return codes, dws
 
 
+IL_MIN_TOKENS = 8
+
+
 @njit(**JIT)
 def matmul_q4_0(raw, xq, xd, xs, xm, out):
     """Tiles of eight rows x four tokens (rows8.il8x4_q4_0, each chunk of rows interleaved once),
@@ -330,7 +333,9 @@ def matmul_q4_0(raw, xq, xd, xs, xm, out):
     for bit."""
     n_tok, n_rows = out.shape
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
-    n4 = n_tok - n_tok % 4
+    # interleaving a chunk costs about a pass of the eight-row kernel over four tokens: below
+    # IL_MIN_TOKENS every token takes rows8_q4_0 (the same bits)
+    n4 = n_tok - n_tok % 4 if n_tok >= IL_MIN_TOKENS else 0
     flat = out.reshape(-1)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK

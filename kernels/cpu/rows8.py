@@ -27,29 +27,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, VNNI, _fn, _i8, _i16, _i32, _splat
-from edgellm.kernels.cpu.rowdot import _V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _ptr, _quad_sums, const
+from edgellm.kernels.cpu.common import VNNI, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.rowdot import (_V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _ptr, _quad_sums,
+                                        _reduce8, const)
 from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
 
 _I32 = ir.IntType(32)
-
-
-def _hadd(builder, a, b):
-    """phaddd: [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] (per 128-bit half)."""
-    if AVX2:
-        return builder.call(_fn(builder, "llvm.x86.avx2.phadd.d", _i32(8), [_i32(8), _i32(8)]), [a, b])
-    ev, od = [0, 2, 8, 10, 4, 6, 12, 14], [1, 3, 9, 11, 5, 7, 13, 15]
-    return builder.add(builder.shuffle_vector(a, b, ir.Constant(_i32(8), ev)),
-                       builder.shuffle_vector(a, b, ir.Constant(_i32(8), od)))
-
-
-def _reduce8(builder, vs):
-    """<8 x i32>: lane r = the sum of the lanes of vs[r] (eight <8 x i32>; integers, exact)."""
-    h0 = _hadd(builder, _hadd(builder, vs[0], vs[1]), _hadd(builder, vs[2], vs[3]))
-    h1 = _hadd(builder, _hadd(builder, vs[4], vs[5]), _hadd(builder, vs[6], vs[7]))
-    lo = builder.shuffle_vector(h0, h1, ir.Constant(_i32(8), [0, 1, 2, 3, 8, 9, 10, 11]))
-    hi = builder.shuffle_vector(h0, h1, ir.Constant(_i32(8), [4, 5, 6, 7, 12, 13, 14, 15]))
-    return builder.add(lo, hi)
 
 
 def _halves8(builder, wp, offs):
