@@ -245,7 +245,9 @@ def test_a_client_that_left_does_not_hold_a_queue_place(srv):
     request stays in flight until the engine's next step (held off here by the step lock)."""
     srv.idle()
     srv.engine.max_waiting = 0
-    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # ~1000 tokens: a must still run when the third request comes (300 once ran out first on a
+    # fast host); the third is seen by its own Stream, not by a count a's end would change
+    body = {"model": srv.name, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     status = []
 
     def ask_again():
@@ -257,16 +259,27 @@ def test_a_client_that_left_does_not_hold_a_queue_place(srv):
             b = srv.http.stream("POST", "/v1/completions", json=body)
             assert a.status_code == b.__enter__().status_code == 200
             with srv.model.engine.lock:  # no step: b's request cannot end
+                # once b's thread has forwarded its last chunk it waits for the next step (a cancel
+                # does not wake it); before that, a cancel ends its loop at once
+                sb = max(srv.engine.streams, key=lambda x: x.t_start)
+                t0 = time.monotonic()
+                while (sb.request is None or not sb.request._queue.empty()) and time.monotonic() - t0 < 10:
+                    time.sleep(0.01)
+                time.sleep(0.3)
                 b.__exit__(None, None, None)  # b's client leaves
                 t0 = time.monotonic()
                 while srv.engine.admitted != 1 and time.monotonic() - t0 < 10:
                     time.sleep(0.01)
                 assert srv.engine.in_flight == 2 and srv.engine.admitted == 1
+                before = set(srv.engine.streams)
                 again = threading.Thread(target=ask_again)
                 again.start()
-                while srv.engine.in_flight < 3 and not status and time.monotonic() - t0 < 20:
+                t1 = time.monotonic()
+                while not set(srv.engine.streams) - before and not status and time.monotonic() - t1 < 20:
                     time.sleep(0.01)
-                assert status == [] and srv.engine.in_flight == 3  # admitted (its submit waits for the lock)
+                new = set(srv.engine.streams) - before
+                # admitted (its submit waits for the lock), while b's request is still in flight
+                assert status == [] and len(new) == 1 and any(s.cancelled.is_set() for s in srv.engine.streams)
             again.join(60)
             assert status == [200]
     finally:
