@@ -654,24 +654,19 @@ def _k_scale_min(builder, wp, o, b):
 
 
 def _k_scales(builder, wp, o):
-    """<16 x i16>: the eight 6-bit scales then the eight mins of the Q4_K super-block at byte o."""
-    def word(k):
-        return builder.load(builder.bitcast(builder.gep(wp, [builder.add(o, const(4 + 4 * k))]),
-                                            ir.IntType(32).as_pointer()), align=1)
+    """<16 x i16>: the eight 6-bit scales then the eight mins of the Q4_K / Q5_K super-block at byte
+    o, unpacked in one 128-bit vector: the 12 scale bytes as words u0 u1 u2 (and 4 bytes of the
+    codes after them, unused), lanes [sc 0-3, sc 4-7, mn 0-3, mn 4-7] = [u0 & 3F, (u2 & 0F) |
+    (u0 >> 2 & 30), u1 & 3F, (u2 >> 4 & 0F) | (u1 >> 2 & 30)] per byte (ggml's get_scale_min_k4)."""
+    def c4(vals):
+        return ir.Constant(_i32(4), vals)
 
-    def c(v):
-        return ir.Constant(ir.IntType(32), v)
-
-    u0, u1, u2 = word(0), word(1), word(2)
-    lo6, lo4, hi2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
-    sc03, mn03 = builder.and_(u0, lo6), builder.and_(u1, lo6)
-    sc47 = builder.or_(builder.and_(u2, lo4), builder.shl(builder.and_(builder.lshr(u0, c(6)), hi2), c(4)))
-    mn47 = builder.or_(builder.and_(builder.lshr(u2, c(4)), lo4),
-                       builder.shl(builder.and_(builder.lshr(u1, c(6)), hi2), c(4)))
-    v = ir.Constant(_i32(4), ir.Undefined)
-    for k, part in enumerate((sc03, sc47, mn03, mn47)):
-        v = builder.insert_element(v, part, c(k))
-    return builder.zext(builder.bitcast(v, _i8(16)), _i16(16))
+    v = _load_vec(builder, wp, builder.add(o, const(4)), _i32(4))
+    a = builder.shuffle_vector(v, v, c4([0, 2, 1, 2]))  # u0 u2 u1 u2
+    b = builder.shuffle_vector(v, v, c4([0, 0, 1, 1]))  # u0 u0 u1 u1
+    low = builder.and_(builder.lshr(a, c4([0, 0, 0, 4])), c4([0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F]))
+    high = builder.and_(builder.lshr(b, c4([2, 2, 2, 2])), c4([0, 0x30303030, 0, 0x30303030]))
+    return builder.zext(builder.bitcast(builder.or_(low, high), _i8(16)), _i16(16))
 
 
 @intrinsic

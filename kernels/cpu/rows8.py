@@ -27,7 +27,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import VNNI, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import AVX2, VNNI, _fn, _i8, _i16, _i32, _splat
 from edgellm.kernels.cpu.rowdot import (_V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _ptr, _quad_sums,
                                         _reduce8, const)
 from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
@@ -90,6 +90,7 @@ def _rows8(kind):
             zero = ir.Constant(_V8F, [0.0] * 8)
             acc = cgutils.alloca_once_value(builder, zero)
             acc_m = cgutils.alloca_once_value(builder, zero)
+            masks = _splat_masks(builder, nb_) if kind == "q4_k" else None
             with cgutils.for_range(builder, nb_) as loop:
                 j = loop.index
                 i = builder.add(b_off_, j)
@@ -101,7 +102,7 @@ def _rows8(kind):
                     d = builder.fmul(_halves8(builder, wp, offs), dx)
                     builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(acc)), acc)
                 else:
-                    isum, msum = _q4_k_sums(builder, wp, offs, xp, sp, i)
+                    isum, msum = _q4_k_sums(builder, wp, offs, xp, sp, i, masks)
                     d = builder.fmul(_halves8(builder, wp, offs), dx)
                     dmin = builder.fmul(_halves8(builder, wp, [builder.add(o, const(2)) for o in offs]), dx)
                     builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(acc)), acc)
@@ -136,7 +137,7 @@ def _q4_0_sums(builder, codes, xp, sp, i):
     return builder.sub(_reduce8(builder, quads), _splat(builder, xs8, _i32(8)))
 
 
-def _q4_k_sums(builder, wp, offs, xp, sp, i):
+def _q4_k_sums(builder, wp, offs, xp, sp, i, masks):
     """(<8 x i32> isum, <8 x i32> msum) of the eight rows' super-block i: sum_b sc_b (q . x)_b and
     sum_b m_b (x sums of sub-block b)."""
     xo = builder.mul(i, const(256))
@@ -148,16 +149,34 @@ def _q4_k_sums(builder, wp, offs, xp, sp, i):
         sm = _k_scales(builder, wp, o)
         mins = builder.shuffle_vector(sm, sm, ir.Constant(_i32(16), [8 + k // 2 for k in range(16)]))
         msums.append(_madd16(builder, mins, bsums))
+        dup = builder.shuffle_vector(sm, sm, ir.Constant(_i32(16), list(range(8)) * 2))  # scales in both halves
         tot = None
         for c in range(4):
             q = _load_vec(builder, wp, builder.add(o, const(16 + 32 * c)), _i8(32))
             for half, qv in enumerate((builder.and_(q, mask), builder.and_(builder.lshr(q, ir.Constant(_i8(32), [4] * 32)), mask))):
                 b = 2 * c + half
-                sc = builder.shuffle_vector(sm, sm, ir.Constant(_i32(16), [b] * 16))
+                sc = _word_splat(builder, dup, b, masks)
                 p = _madd16(builder, _maddubs(builder, qv, xs[b]), sc)
                 tot = p if tot is None else builder.add(tot, p)
         isums.append(tot)
     return _reduce8(builder, isums), _reduce8(builder, msums)
+
+
+def _splat_masks(builder, nb):
+    """The pshufb masks of _word_splat, one per word, made once per call from a zero LLVM cannot see
+    (nb >> 40: a row of 2^48 weights is far beyond any model); with constant masks LLVM turns the
+    pshufb back into its own splat, a shift and a broadcast, twice the instructions."""
+    zero = _splat(builder, builder.trunc(builder.lshr(nb, const(40)), ir.IntType(8)), _i8(32))
+    return [builder.add(ir.Constant(_i8(32), [2 * b, 2 * b + 1] * 16), zero) for b in range(8)]
+
+
+def _word_splat(builder, dup, b, masks):
+    """<16 x i16>: word b of dup (whose two 128-bit halves are alike) in every lane: one in-lane
+    byte shuffle (pshufb)."""
+    if AVX2:
+        fn = _fn(builder, "llvm.x86.avx2.pshuf.b", _i8(32), [_i8(32), _i8(32)])
+        return builder.bitcast(builder.call(fn, [builder.bitcast(dup, _i8(32)), masks[b]]), _i16(16))
+    return builder.shuffle_vector(dup, dup, ir.Constant(_i32(16), [b] * 16))
 
 
 rows8_q4_0 = _rows8("q4_0")
