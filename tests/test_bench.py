@@ -49,3 +49,23 @@ def test_negative_depth_is_a_clear_error(capsys):
     assert main(["bench", "smollm2-135m", "-d", "-1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "-d" in err[0]
+
+
+@pytest.mark.real
+def test_bench_reports_rates_the_timings_give(smollm2_path, capsys):
+    """`edgellm bench --json` on the real file: a pp and a tg test at a depth, each with its weight
+    rate from its own t/s and the memory read rate measured beside it."""
+    from edgellm.cli import main
+
+    assert main(["bench", str(smollm2_path), "-p", "16", "-n", "8", "-r", "2", "-d", "8", "-t", "1", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["depth"] == 8 and info["threads"] == 1
+    pp, tg = info["results"]
+    assert (pp["test"], tg["test"]) == ("pp16 @ d8", "tg8 @ d8")
+    per_pass = info["weight_bytes_per_pass"]
+    for r in (pp, tg):
+        assert len(r["runs"]) == 2 and r["tokens_per_s"] == pytest.approx(sum(r["runs"]) / 2)
+        assert 1e8 < r["memory_gb_per_s"] * 1e9 < 1e12
+    assert tg["weight_gb_per_s"] * 1e9 == pytest.approx(tg["tokens_per_s"] * per_pass)
+    assert pp["weight_gb_per_s"] * 1e9 == pytest.approx(pp["tokens_per_s"] / 16 * per_pass)  # one pass for 16
+    assert info["machine"]["memory_gb_per_s"] == pytest.approx((pp["memory_gb_per_s"] + tg["memory_gb_per_s"]) / 2)

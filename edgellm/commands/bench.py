@@ -160,11 +160,13 @@ def run(args) -> int:
                 times.append(n / dt)
                 for d, s in rt.timing.seconds.items():
                     device.setdefault(d, []).append(1000 * s / max(rt.timing.tokens, 1))
+        memory = stream_bandwidth(model.threads)  # the machine's read rate now: it moves with its neighbours
         ts = np.array(times)
         passes = -(-n // model.n_batch) / n if kind == "pp" else 1.0  # forward passes per token
         name = f"{kind}{args.n_prompt if kind == 'pp' else args.n_gen}" + (f" @ d{depth}" if depth else "")
         results.append({"test": name, "tokens_per_s": float(ts.mean()),
                         "weight_gb_per_s": float(ts.mean()) * passes * per_pass / 1e9,
+                        "memory_gb_per_s": memory / 1e9,
                         "sd": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0, "runs": [float(x) for x in ts],
                         "ms_per_token_per_device": {d: float(np.mean(v)) for d, v in device.items()}})
 
@@ -175,22 +177,22 @@ def run(args) -> int:
     info = {"model": str(model.path), "file_size": model.gf.file_size, "arch": model.config.arch,
             "threads": model.threads, "gpu_layers": model.plan.n_gpu_layers, "depth": depth,
             "weight_bytes_per_pass": per_pass, "machine": machine(), "results": results}
-    info["machine"]["memory_gb_per_s"] = machine_bandwidth(model.threads) / 1e9
+    info["machine"]["memory_gb_per_s"] = (float(np.mean([r["memory_gb_per_s"] for r in results])) if results
+                                          else machine_bandwidth(model.threads) / 1e9)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     m = info["machine"]
     print(f"machine: {m['cpu']}, {m['physical_cores']} physical / {m['logical_cores']} logical cores, "
           f"{m['memory_bytes'] / 2**30:.1f} GiB, SIMD: {m['simd']}, memory read {m['memory_gb_per_s']:.1f} GB/s "
-          f"({info['threads']} threads)")
+          f"({info['threads']} threads; measured after each test, which each % below is of)")
     print(f"model:   {info['model']} ({info['arch']}, {info['file_size'] / 2**20:.1f} MiB), threads {info['threads']}, "
           f"gpu layers {info['gpu_layers']}")
     print(f"weights read per forward pass: {per_pass / 2**20:.1f} MiB")
     print(f"| {'test':>14} | {'t/s':>16} | {'weights GB/s':>14} | ms/token per device")
-    bw = m["memory_gb_per_s"]
     for r in results:
         dev = "  ".join(f"{d} {v:.2f}" for d, v in r["ms_per_token_per_device"].items())
-        gbs = f"{r['weight_gb_per_s']:6.1f} ({100 * r['weight_gb_per_s'] / bw:3.0f}%)"
+        gbs = f"{r['weight_gb_per_s']:6.1f} ({100 * r['weight_gb_per_s'] / r['memory_gb_per_s']:3.0f}%)"
         print(f"| {r['test']:>14} | {r['tokens_per_s']:8.2f} ± {r['sd']:5.2f} | {gbs:>14} | {dev}")
     return 0
 
