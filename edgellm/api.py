@@ -292,6 +292,19 @@ class Model:
             for r in reqs:
                 r.cancel()
 
+    def weights_read_per_token(self) -> dict[str, int]:
+        """Bytes of weights one decode step reads on each device: the blocks placed there, and the
+        output norm and head on the output device (the token embeddings are looked up, one row)."""
+        from edgellm.planner import WeightSizes
+
+        sizes = WeightSizes.from_tensors(self.gf.tensors, len(self.plan.layers))
+        read = {"cpu": sizes.other}
+        for device, n in zip(self.plan.layers, sizes.blocks):
+            read[device] = read.get(device, 0) + n
+        out = self.plan.output_device
+        read[out] = read.get(out, 0) + sizes.head + sizes.output_norm
+        return read
+
     def engine_stats(self) -> dict:
         """Sequences running / waiting, KV blocks total / used / cached / free, preemptions, token
         totals (the server's /metrics)."""

@@ -84,6 +84,14 @@ class FakeModel:
                              "activations": 8 * MIB, "runtime": 300 * MIB}
         return memory
 
+    def weights_read_per_token(self) -> dict[str, int]:
+        """Model.weights_read_per_token: the fake's 98 MiB of weights split as its layers are."""
+        gpu_share = self.plan.n_gpu_layers / len(self.plan.layers)
+        read = {"cpu": round(90 * MIB * (1 - gpu_share))}
+        if self.plan.n_gpu_layers:
+            read["gpu"] = round(90 * MIB * gpu_share)
+        return read
+
     def tokens(self) -> list[str]:
         """The reply as streamed chunks: each word with the whitespace that follows it."""
         pieces, current = [], ""

@@ -200,7 +200,10 @@ def test_quitting_during_generation_is_clean(delay_s):
 
 
 # --- side panel ----------------------------------------------------------------------------------
-def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model():
+def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model(monkeypatch):
+    from edgellm.commands import bench
+
+    monkeypatch.setattr(bench, "machine_bandwidth", lambda threads: 25e9)  # the stream test, as if cached
     fake = FakeModel(delay_s=0.08, gpu_layers=12)     # ~2 s of streaming: several panel refreshes
     n_tokens = len(fake.tokens())
     n_prompt = count_tokens([{"role": "user", "content": "hi"}])
@@ -241,6 +244,11 @@ def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model():
             assert rows["cpu"].query_one(Sparkline).data == pytest.approx(expected_cpu)
             assert rows["transfer"].query_one(Sparkline).data == pytest.approx([0.2] * n_tokens)
             assert str(rows["cpu"].query_one(Static).content).endswith(f"{expected_cpu[-1]:.1f}ms")
+            # the CPU's weights per step over its mean ms of the last 16 tokens, against the stream test
+            recent = expected_cpu[-16:]
+            rate = fake.weights_read_per_token()["cpu"] / (sum(recent) / len(recent) / 1000)
+            gbs = f"{rate / 1e9:.0f}" if rate >= 10e9 else f"{rate / 1e9:.1f}"
+            assert label(screen, "timing-heading") == f"ms / token  cpu {gbs} GB/s {100 * rate / 25e9:.0f}%"
 
     run(scenario())
 
@@ -415,7 +423,7 @@ def test_layout_fits_80x24_and_survives_resizes():
             prompt = screen.query_one("#prompt", Input)
             assert prompt.region.bottom <= 23 and prompt.region.height == 3     # above the footer
             # every panel row is on screen without scrolling at 80x24
-            for widget_id in ("model-name", "ram-bar", "vram-bar", "layer-map", "ttft", "tps", "ctx"):
+            for widget_id in ("model-name", "ram-bar", "vram-bar", "layer-map", "ttft", "tps", "ctx", "timing-heading"):
                 region = screen.query_one(f"#{widget_id}").region
                 assert region.height > 0 and region.bottom <= 23, widget_id
             for size in ((60, 20), (120, 40), (80, 24)):

@@ -1,7 +1,8 @@
 """The side panel: memory per device, the layer map, ms per token per device with history, and the
-speed / context figures of the current (or last) answer."""
+speed / context / weight-bandwidth figures of the current (or last) answer."""
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import psutil
@@ -14,6 +15,8 @@ from edgellm.tui.widgets.layer_map import LayerMap
 from edgellm.tui.widgets.memory_bar import MemoryBar, format_bytes
 
 TIMING_HISTORY = 64     # tokens of ms/token history per device in the sparklines
+BW_TOKENS = 16          # tokens the weight-bandwidth figure averages
+TIMING_HEADING = "ms / token"
 NO_VALUE = "–"
 BLANK_FIGURES = {"ttft": f"TTFT {NO_VALUE}", "tpot": f"TPOT {NO_VALUE}", "tps": f"{NO_VALUE} tok/s",
                  "pp": f"pp {NO_VALUE} t/s"}
@@ -25,6 +28,17 @@ def model_title(model) -> str:
     messages are (edgellm.errors.printable) and shown without markup parsing."""
     md = model.metadata
     return printable(md.get("general.name") or md.get("general.architecture") or "model")
+
+
+def timing_heading(rate: float | None, memory: float | None) -> str:
+    """'ms / token  cpu 29 GB/s 88%': the heading of the timings with the weights the CPU read per
+    second (the seed's bandwidth utilisation) and their share of the machine's memory read rate
+    (the stream test of `edgellm bench`), each once known."""
+    if rate is None:
+        return TIMING_HEADING
+    gbs = rate / 1e9
+    text = f"{TIMING_HEADING}  cpu {gbs:.0f} GB/s" if gbs >= 10 else f"{TIMING_HEADING}  cpu {gbs:.1f} GB/s"
+    return text + (f" {100 * rate / memory:.0f}%" if memory else "")
 
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:
@@ -81,6 +95,8 @@ class StatsPanel(VerticalScroll):
         self.figures_shown = False      # figures describe an answer: none before the first token
         self._process = psutil.Process()
         self._ram_total = psutil.virtual_memory().total
+        self.cpu_read = 0               # bytes of weights a decode step reads on the CPU
+        self.memory_bw: float | None = None  # the machine's memory read rate (bytes/s), once measured
 
     def compose(self) -> ComposeResult:
         yield Static(id="model-name", markup=False)
@@ -89,7 +105,7 @@ class StatsPanel(VerticalScroll):
         vram.display = False
         yield vram
         yield LayerMap(id="layer-map")
-        yield Static("ms / token", classes="heading")
+        yield Static(TIMING_HEADING, id="timing-heading", classes="heading", markup=False)
         yield Vertical(id="timings")
         with Horizontal(classes="figures"):
             yield Static(BLANK_FIGURES["ttft"], id="ttft")
@@ -106,6 +122,29 @@ class StatsPanel(VerticalScroll):
         layer_map.layers = tuple(model.plan.layers)
         layer_map.output_device = model.plan.output_device
         set_text(self.query_one("#ctx", Static), f"ctx 0 / {self.n_ctx}")
+        self.cpu_read = int(model.weights_read_per_token().get("cpu", 0))
+        if self.cpu_read:
+            threading.Thread(target=self._measure_bandwidth, args=(getattr(model, "threads", 1),),
+                             name="edgellm-bandwidth", daemon=True).start()
+
+    def _measure_bandwidth(self, threads: int) -> None:
+        """The stream test (a second or so, once per machine: cached in the user cache) off the UI thread."""
+        from edgellm.commands.bench import machine_bandwidth
+
+        try:
+            self.memory_bw = machine_bandwidth(threads)
+        except Exception:  # noqa: BLE001 - no share shown, the rate still is
+            self.memory_bw = None
+
+    def cpu_weight_rate(self) -> float | None:
+        """Bytes/s of weights the CPU read over the last BW_TOKENS tokens (its bytes per step over
+        its ms per token), None before a CPU timing."""
+        rows = [row for row in self.query(DeviceTiming) if row.device == "cpu" and row.history]
+        if not self.cpu_read or not rows:
+            return None
+        recent = list(rows[0].history)[-BW_TOKENS:]
+        ms = sum(recent) / len(recent)
+        return self.cpu_read / (ms / 1000) if ms > 0 else None
 
     def record_token(self, stats) -> None:
         """Add this token's ms per device to the sparklines (new devices get a row)."""
@@ -127,6 +166,7 @@ class StatsPanel(VerticalScroll):
         for widget_id, text in BLANK_FIGURES.items():
             set_text(self.query_one(f"#{widget_id}", Static), text)
         set_text(self.query_one("#ctx", Static), f"ctx 0 / {self.n_ctx}")
+        set_text(self.query_one("#timing-heading", Static), TIMING_HEADING)
 
     def show_stats(self, stats) -> None:
         """Refresh bars and figures from a `Model.stats` copy (None before the first answer)."""
@@ -150,6 +190,8 @@ class StatsPanel(VerticalScroll):
         set_text(self.query_one("#tps", Static), f"{_fmt(stats.gen_tps, '.1f')} tok/s")
         set_text(self.query_one("#pp", Static), f"pp {_fmt(stats.prompt_tps, '.0f')} t/s")
         set_text(self.query_one("#ctx", Static), f"ctx {stats.n_past} / {self.n_ctx}")
+        set_text(self.query_one("#timing-heading", Static),
+                 timing_heading(self.cpu_weight_rate(), self.memory_bw))
 
     def _set_bar(self, selector: str, segments: dict[str, int], capacity: int, title: str) -> None:
         bar = self.query_one(selector, MemoryBar)
