@@ -67,6 +67,8 @@ AVX2 = "avx2" in _FEATURES
 # vpdpbusd: four u8 x s8 products summed into each int32 lane in one instruction (AVX-VNNI, or
 # AVX-512 VNNI with 256-bit forms)
 VNNI = AVX2 and ("avxvnni" in _FEATURES or {"avx512vnni", "avx512vl"} <= _FEATURES)
+# AVX-512 with 256-bit forms: 32 vector registers (AVX2 has 16), room for constants kept in them
+REGS32 = AVX2 and {"avx512f", "avx512vl"} <= _FEATURES
 F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
 
