@@ -116,6 +116,8 @@ def run_checks(pane: Pane, load_timeout: float) -> None:
     screen = pane.capture()
     for needle in ("rss", "■W", "■KV", "Layers", "ms / token", "TTFT", "TPOT", "tok/s"):
         check(needle in screen, f"the panel shows {needle!r}", screen)
+    bw = re.search(r"ms / token  cpu ([\d.]+) GB/s(?: (\d+)%)?", screen)
+    check(bw is not None and float(bw[1]) > 0, f"the timing heading shows the weight bandwidth ({bw and bw[0]})", screen)
     ctx = re.search(r"ctx (\d+) / (\d+)", screen)
     check(ctx is not None and 0 < int(ctx[1]) <= int(ctx[2]), f"the context figure is filled ({ctx and ctx[0]})", screen)
     check("Write a long story" in screen, "the question is shown", screen)
