@@ -295,15 +295,9 @@ class Model:
     def weights_read_per_token(self) -> dict[str, int]:
         """Bytes of weights one decode step reads on each device: the blocks placed there, and the
         output norm and head on the output device (the token embeddings are looked up, one row)."""
-        from edgellm.planner import WeightSizes
+        from edgellm.placement import weights_read_per_token
 
-        sizes = WeightSizes.from_tensors(self.gf.tensors, len(self.plan.layers))
-        read = {"cpu": sizes.other}
-        for device, n in zip(self.plan.layers, sizes.blocks):
-            read[device] = read.get(device, 0) + n
-        out = self.plan.output_device
-        read[out] = read.get(out, 0) + sizes.head + sizes.output_norm
-        return read
+        return weights_read_per_token(self)
 
     def engine_stats(self) -> dict:
         """Sequences running / waiting, KV blocks total / used / cached / free, preemptions, token

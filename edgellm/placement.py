@@ -33,13 +33,9 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
 
     rt = model.runtime
     sizes = WeightSizes.from_tensors(model.gf.tensors, len(rt.layer_devices))
-    weights: dict[str, int] = {"cpu": sizes.token_embd}
-    for dev, n in zip(rt.layer_devices, sizes.blocks):
-        weights[dev] = weights.get(dev, 0) + n
-    out_dev = rt.output_device
     # a tied head on the CPU is the embedding already counted; anywhere else it is its own copy
-    head = sizes.head if (not sizes.tied_output or out_dev != "cpu") else 0
-    weights[out_dev] = weights.get(out_dev, 0) + sizes.output_norm + head
+    head = sizes.head if (not sizes.tied_output or rt.output_device != "cpu") else 0
+    weights = _per_device(sizes, rt.layer_devices, rt.output_device, sizes.token_embd, head)
     kv = rt.kv_bytes()
     out = {}
     for dev in sorted(set(weights) | set(kv)):
@@ -49,4 +45,24 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
     # activations, interpreter, Numba, tokenizer tables: what the process holds beyond the two
     # exact terms (mapped weights count once they are paged in)
     out["cpu"]["other"] = max(0, rss - out["cpu"]["weights"] - out["cpu"]["kv_cache"])
+    return out
+
+
+def weights_read_per_token(model) -> dict[str, int]:
+    """Bytes of weights one decode step reads on each device: the blocks placed there, the output
+    norm and the whole head on the output device, other tensors on the CPU (the token embeddings
+    are looked up, one row)."""
+    from edgellm.planner import WeightSizes
+
+    rt = model.runtime
+    sizes = WeightSizes.from_tensors(model.gf.tensors, len(rt.layer_devices))
+    return _per_device(sizes, rt.layer_devices, rt.output_device, sizes.other, sizes.head)
+
+
+def _per_device(sizes, layer_devices, output_device: str, cpu_bytes: int, head: int) -> dict[str, int]:
+    """cpu_bytes on the CPU, each block's bytes on its device, output norm + head on the output device."""
+    out = {"cpu": cpu_bytes}
+    for dev, n in zip(layer_devices, sizes.blocks):
+        out[dev] = out.get(dev, 0) + n
+    out[output_device] = out.get(output_device, 0) + sizes.output_norm + head
     return out
