@@ -82,6 +82,19 @@ def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
         np.testing.assert_array_equal(out[t], expect, err_msg=f"token {t}")
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_legacy_batches_of_eight_or_more_keep_the_one_token_rows(ggml_type):
+    """The legacy types' batch products (Q8_0: eight tokens in 512-bit vectors where the CPU has
+    AVX-512 VNNI, then four, then one) are llama.cpp's vec_dot row for every token."""
+    raw = _weights(ggml_type, n_rows=27)
+    m = cpu.bind(ggml_type, raw, 1024)
+    x = _x(23)  # two groups of eight, one of four, three left over
+    out = np.empty((23, 27), np.float32)
+    m.matmul(x, out)
+    for t in range(23):
+        np.testing.assert_array_equal(out[t], _reference(ggml_type, raw, x[t]), err_msg=f"token {t}")
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_batches_of_eight_or_more_take_the_tiled_order(ggml_type):
     """From 8 tokens on llama.cpp multiplies K-quants with its tiled kernel (Q4_K: when it does

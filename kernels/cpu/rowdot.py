@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, VNNI, _abs_sign, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import AVX2, VNNI, ZMM_VNNI, _abs_sign, _fn, _i8, _i16, _i32, _splat
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -67,6 +67,19 @@ def _dpbusd(builder, acc, u8, s8):
     # the multiplicands as <8 x i32>: LLVM before 21 declares them so, later ones upgrade the call
     u, s = builder.bitcast(u8, _i32(8)), builder.bitcast(s8, _i32(8))
     return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _i32(8), [_i32(8)] * 3), [acc, u, s])
+
+
+def _dpbusd512(builder, acc, u8, s8):
+    """<16 x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] of <64 x i8> u8 / s8: one
+    512-bit vpdpbusd with AVX-512 VNNI (ZMM_VNNI), else the same integers from portable IR."""
+    v16i = _i32(16)
+    if ZMM_VNNI:
+        fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i, [v16i] * 3)
+        return builder.call(fn, [acc, builder.bitcast(u8, v16i), builder.bitcast(s8, v16i)])
+    prod = builder.mul(builder.zext(u8, _i32(64)), builder.sext(s8, _i32(64)))
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), [4 * j + k for j in range(16)]))
+             for k in range(4)]
+    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
 
 
 def _quad_sums(builder, u8, s8):
@@ -628,6 +641,59 @@ def _legacy_tile(kind, n_tok=TILE):
         return sig, codegen
 
     return rowdot_tile
+
+
+@intrinsic
+def rowdot2x8_q8_0_zmm(typingctx, w, w_off0, w_off1, x8, x_off, corr, xd, b_off, nb):
+    """Two Q8_0 rows times eight tokens (16 float32: row 0's tokens, then row 1's), each result
+    rowdot_q8_0's bit for bit. The weights go in as unsigned bytes w + 128 and each lane's integer
+    sum is corrected by -128 x the tokens' four activations (corr, computed once per batch:
+    q8_0_tile8_inputs), so the activations need no per-row sign fix and two rows share every
+    activation load: per row, token pair and block one vpdpbusd, one int-to-float, one multiply
+    and one fma. x8 / corr / xd as q8_0_tile8_inputs lays them out; fast with AVX-512 BW + VNNI."""
+    ret = types.UniTuple(types.float32, 16)
+    sig = ret(w, types.uint64, types.uint64, x8, types.uint64, corr, xd, types.uint64, types.uint64)
+    v16f, v16i = ir.VectorType(_F32, 16), _i32(16)
+    both = ir.Constant(_i32(64), list(range(32)) * 2)
+
+    def codegen(context, builder, signature, args):
+        w_, w_off0_, w_off1_, x8_, x_off_, corr_, xd_, b_off_, nb_ = args
+        wp = _ptr(context, builder, signature.args[0], w_)
+        xp = _ptr(context, builder, signature.args[3], x8_)
+        cp = _ptr(context, builder, signature.args[5], corr_)
+        dp = _ptr(context, builder, signature.args[6], xd_)
+        flip = ir.Constant(_i8(32), [-128] * 32)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(4)] for _ in range(2)]
+        with cgutils.for_range(builder, nb_) as loop:
+            i = loop.index
+            xd8 = _load_vec(builder, dp, builder.add(b_off_, builder.mul(i, const(8))), ir.VectorType(_F32, 8))
+            wu, dd = [], []
+            for off in (w_off0_, w_off1_):
+                o = builder.add(off, builder.mul(i, const(34)))
+                q = builder.xor(_load_vec(builder, wp, builder.add(o, const(2)), _i8(32)), flip)
+                wu.append(builder.shuffle_vector(q, q, both))
+                dd.append(builder.fmul(_splat(builder, _load_half(builder, wp, o), ir.VectorType(_F32, 8)), xd8))
+            xo = builder.add(x_off_, builder.mul(i, const(256)))
+            co = builder.mul(i, const(64))
+            c_off = builder.mul(b_off_, const(8))
+            for p in range(4):
+                xz = _load_vec(builder, xp, builder.add(xo, const(64 * p)), _i8(64))
+                cz = _load_vec(builder, cp, builder.add(builder.add(c_off, co), const(16 * p)), v16i)
+                sel = ir.Constant(_i32(16), [2 * p] * 8 + [2 * p + 1] * 8)
+                for r in range(2):
+                    xy = builder.sitofp(_dpbusd512(builder, cz, wu[r], xz), v16f)
+                    ddp = builder.shuffle_vector(dd[r], dd[r], sel)
+                    builder.store(_fma(builder, ddp, xy, builder.load(accs[r][p])), accs[r][p])
+        results = []
+        for r in range(2):
+            for p in range(4):
+                acc = builder.load(accs[r][p])
+                for h in (0, 8):
+                    half = builder.shuffle_vector(acc, acc, ir.Constant(_i32(8), list(range(h, h + 8))))
+                    results.append(_hsum8(builder, half))
+        return context.make_tuple(builder, ret, results)
+
+    return sig, codegen
 
 
 rowdot4_q4_1u = _legacy_tile("q4_1u")
