@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (TILE, rowdot1_q5_1, rowdot4_q4_1u, rowdot4_q5_1, rowdot4_q8_0, rowdot8_q5_0,
-                                        rowdot2x8_q8_0_zmm, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, ZMM_VNNI, dot32_q4, f16_to_f32, fma32,
-                                        load_f16, njit, prange)
+from edgellm.kernels.cpu.rowdot import (Q8_0_GROUP, TILE, rowdot1_q5_1, rowdot2xn_q8_0, rowdot4_q4_1u, rowdot4_q5_1,
+                                        rowdot4_q8_0, rowdot8_q5_0, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
+from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
+                                        njit, prange)
 from edgellm.kernels.cpu.rows8 import IL_Q4_0, il8x4_q4_0, rows8_q4_0, rows8_q8_0
 
 # Bytes per block, as the sum of its fields.
@@ -237,29 +237,26 @@ def matmul_q4_1(raw, xq, xd, xs, xm, out):
                 out[t, r] = rowdot_q4_1(raw, U(r) * rb, xq, ut * nb * U(32), xd, xm, ut * nb, nb)
 
 
-# with AVX-512 BW + VNNI, Q8_0 batches go two rows and eight tokens at a time through 512-bit
-# vectors (rowdot2x8_q8_0_zmm), then four tokens, then one; every product the same bits either way
-Q8_TILE8 = ZMM_VNNI
-
-
 @njit(cache=True, nogil=True)  # not inlined into the parallel caller: its slice copies became parallel loops
-def q8_0_tile8_inputs(xq, n8, nb):
-    """rowdot2x8_q8_0_zmm's activations for the first n8 tokens (a multiple of 8): per group of
-    eight tokens and block, the eight tokens' 32 codes side by side (256 bytes), and per token
-    the eight lane corrections -128 x (sum of each four codes)."""
-    x8 = np.empty(U(n8) * nb * U(32), np.int8)
-    corr = np.empty(U(n8) * nb * U(8), np.int32)
-    for t in range(n8):
-        g, j = U(t) // U(8), U(t) % U(8)
+def q8_0_group_inputs(xq, n_g, nb, g):
+    """rowdot2xn_q8_0's activations for the first n_g tokens (a multiple of g, its tokens): per
+    group of g tokens and block the g tokens' 32 codes side by side, and per token and block the
+    eight lane corrections -128 x (sum of each four codes)."""
+    xg = np.empty(U(n_g) * nb * U(32), np.int8)
+    corr = np.empty(U(n_g) * nb * U(8), np.int32)
+    ug = U(g)
+    for t in range(n_g):
+        grp, j = U(t) // ug, U(t) % ug
         for i in range(nb):
             src = (U(t) * nb + i) * U(32)
-            blk = g * nb + i
-            x8[blk * U(256) + j * U(32):blk * U(256) + j * U(32) + U(32)] = xq[src:src + U(32)]
+            blk = grp * nb + i
+            dst = (blk * ug + j) * U(32)
+            xg[dst:dst + U(32)] = xq[src:src + U(32)]
             for lane in range(8):
                 q = src + U(4 * lane)
-                corr[blk * U(64) + j * U(8) + U(lane)] = -128 * (I32(xq[q]) + I32(xq[q + U(1)]) + I32(xq[q + U(2)])
-                                                                 + I32(xq[q + U(3)]))
-    return x8, corr
+                corr[(blk * ug + j) * U(8) + U(lane)] = -128 * (I32(xq[q]) + I32(xq[q + U(1)]) + I32(xq[q + U(2)])
+                                                                + I32(xq[q + U(3)]))
+    return xg, corr
 
 
 @njit(**JIT)
@@ -267,31 +264,29 @@ def matmul_q8_0(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     rb = U(raw.shape[1])
-    n8 = n_tok - n_tok % 8 if Q8_TILE8 else 0
-    n4 = n_tok - (n_tok - n8) % TILE
-    xd8 = interleave_blocks(xd, n8, 8, nb)
-    x8, corr = q8_0_tile8_inputs(xq, n8, nb)
-    xdt = interleave_blocks(xd[U(n8) * nb:], n4 - n8, TILE, nb)
+    G = Q8_0_GROUP  # tokens a two-row tile (0: none), then four-token tiles, then one token
+    ng = n_tok - n_tok % G if G else 0
+    n4 = n_tok - (n_tok - ng) % TILE
+    xdg = interleave_blocks(xd, ng, max(G, 1), nb)
+    xg, corr = q8_0_group_inputs(xq, ng, nb, max(G, 1))
+    xdt = interleave_blocks(xd[U(ng) * nb:], n4 - ng, TILE, nb)
     for c in prange((n_rows + ROW_CHUNK - 1) // ROW_CHUNK):
         r0 = c * ROW_CHUNK
         r1 = min(r0 + ROW_CHUNK, n_rows)
-        for t in range(0, n8, 8):
+        for t in range(0, ng, max(G, 1)):
             ut = U(t)
-            r2 = r0 + (r1 - r0) // 2 * 2
-            for r in range(r0, r2, 2):
-                res = rowdot2x8_q8_0_zmm(raw, U(r) * rb, U(r + 1) * rb, x8, ut * nb * U(32), corr, xd8, ut * nb, nb)
-                for k in range(8):
+            for r in range(r0, r1, 2):  # an odd row left goes as both rows of the pair
+                res = rowdot2xn_q8_0(raw, U(r) * rb, U(min(r + 1, r1 - 1)) * rb, xg, ut * nb * U(32), corr, xdg,
+                                     ut * nb, nb)
+                for k in range(G):
                     out[t + k, r] = res[k]
-                    out[t + k, r + 1] = res[8 + k]
-            for r in range(r2, r1):  # an odd row left: it goes as both rows of the pair
-                res = rowdot2x8_q8_0_zmm(raw, U(r) * rb, U(r) * rb, x8, ut * nb * U(32), corr, xd8, ut * nb, nb)
-                for k in range(8):
-                    out[t + k, r] = res[k]
-        for t in range(n8, n4, TILE):
+                    if r + 1 < r1:
+                        out[t + k, r + 1] = res[G + k]
+        for t in range(ng, n4, TILE):
             ut = U(t)
             for r in range(r0, r1):
                 out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = rowdot4_q8_0(
-                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xdt, U(t - n8) * nb, nb)
+                    raw, U(r) * rb, xq, ut * nb * U(32), nb * U(32), xdt, xdt, U(t - ng) * nb, nb)
         for t in range(n4, n_tok):
             ut = U(t)
             for r in range(r0, r1):

@@ -69,15 +69,17 @@ def _dpbusd(builder, acc, u8, s8):
     return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _i32(8), [_i32(8)] * 3), [acc, u, s])
 
 
-def _dpbusd512(builder, acc, u8, s8):
-    """<16 x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] of <64 x i8> u8 / s8: one
-    512-bit vpdpbusd with AVX-512 VNNI (ZMM_VNNI), else the same integers from portable IR."""
-    v16i = _i32(16)
-    if ZMM_VNNI:
-        fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i, [v16i] * 3)
-        return builder.call(fn, [acc, builder.bitcast(u8, v16i), builder.bitcast(s8, v16i)])
-    prod = builder.mul(builder.zext(u8, _i32(64)), builder.sext(s8, _i32(64)))
-    parts = [builder.shuffle_vector(prod, prod, ir.Constant(_i32(16), [4 * j + k for j in range(16)]))
+def _dpbusd_n(builder, acc, u8, s8):
+    """<n x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] of <4n x i8> u8 / s8 (n = 8 or
+    16): one vpdpbusd where the CPU has it at that width (VNNI / ZMM_VNNI), else the same integers
+    from portable IR."""
+    n = acc.type.count
+    vi = _i32(n)
+    if (n == 16 and ZMM_VNNI) or (n == 8 and VNNI):
+        fn = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * n}", vi, [vi] * 3)
+        return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
+    prod = builder.mul(builder.zext(u8, _i32(4 * n)), builder.sext(s8, _i32(4 * n)))
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(_i32(n), [4 * j + k for j in range(n)]))
              for k in range(4)]
     return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
 
@@ -643,57 +645,76 @@ def _legacy_tile(kind, n_tok=TILE):
     return rowdot_tile
 
 
-@intrinsic
-def rowdot2x8_q8_0_zmm(typingctx, w, w_off0, w_off1, x8, x_off, corr, xd, b_off, nb):
-    """Two Q8_0 rows times eight tokens (16 float32: row 0's tokens, then row 1's), each result
-    rowdot_q8_0's bit for bit. The weights go in as unsigned bytes w + 128 and each lane's integer
-    sum is corrected by -128 x the tokens' four activations (corr, computed once per batch:
-    q8_0_tile8_inputs), so the activations need no per-row sign fix and two rows share every
-    activation load: per row, token pair and block one vpdpbusd, one int-to-float, one multiply
-    and one fma. x8 / corr / xd as q8_0_tile8_inputs lays them out; fast with AVX-512 BW + VNNI."""
-    ret = types.UniTuple(types.float32, 16)
-    sig = ret(w, types.uint64, types.uint64, x8, types.uint64, corr, xd, types.uint64, types.uint64)
-    v16f, v16i = ir.VectorType(_F32, 16), _i32(16)
-    both = ir.Constant(_i32(64), list(range(32)) * 2)
+def _q8_0_two_rows(n_tok, per_vec):
+    """Two Q8_0 rows times n_tok tokens (2 n_tok float32: row 0's tokens, then row 1's), each
+    result rowdot_q8_0's bit for bit:
 
-    def codegen(context, builder, signature, args):
-        w_, w_off0_, w_off1_, x8_, x_off_, corr_, xd_, b_off_, nb_ = args
-        wp = _ptr(context, builder, signature.args[0], w_)
-        xp = _ptr(context, builder, signature.args[3], x8_)
-        cp = _ptr(context, builder, signature.args[5], corr_)
-        dp = _ptr(context, builder, signature.args[6], xd_)
-        flip = ir.Constant(_i8(32), [-128] * 32)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(4)] for _ in range(2)]
-        with cgutils.for_range(builder, nb_) as loop:
-            i = loop.index
-            xd8 = _load_vec(builder, dp, builder.add(b_off_, builder.mul(i, const(8))), ir.VectorType(_F32, 8))
-            wu, dd = [], []
-            for off in (w_off0_, w_off1_):
-                o = builder.add(off, builder.mul(i, const(34)))
-                q = builder.xor(_load_vec(builder, wp, builder.add(o, const(2)), _i8(32)), flip)
-                wu.append(builder.shuffle_vector(q, q, both))
-                dd.append(builder.fmul(_splat(builder, _load_half(builder, wp, o), ir.VectorType(_F32, 8)), xd8))
-            xo = builder.add(x_off_, builder.mul(i, const(256)))
-            co = builder.mul(i, const(64))
-            c_off = builder.mul(b_off_, const(8))
-            for p in range(4):
-                xz = _load_vec(builder, xp, builder.add(xo, const(64 * p)), _i8(64))
-                cz = _load_vec(builder, cp, builder.add(builder.add(c_off, co), const(16 * p)), v16i)
-                sel = ir.Constant(_i32(16), [2 * p] * 8 + [2 * p + 1] * 8)
-                for r in range(2):
-                    xy = builder.sitofp(_dpbusd512(builder, cz, wu[r], xz), v16f)
-                    ddp = builder.shuffle_vector(dd[r], dd[r], sel)
-                    builder.store(_fma(builder, ddp, xy, builder.load(accs[r][p])), accs[r][p])
-        results = []
-        for r in range(2):
-            for p in range(4):
-                acc = builder.load(accs[r][p])
-                for h in (0, 8):
-                    half = builder.shuffle_vector(acc, acc, ir.Constant(_i32(8), list(range(h, h + 8))))
-                    results.append(_hsum8(builder, half))
-        return context.make_tuple(builder, ret, results)
+        tile(w, w_off0, w_off1, xg, x_off, corr, xd, b_off, nb) -> 2 n_tok x float32
 
-    return sig, codegen
+    The weights go in as unsigned bytes w + 128 and each lane's integer sum starts from -128 x the
+    token's four activations (corr, once per batch: legacy.q8_0_group_inputs), so the activations
+    need no per-row sign fix (as vpdpbusd's u8 x s8 form otherwise takes) and both rows share every
+    activation load: per row, token and block one vpdpbusd, one int-to-float, one multiply and one
+    fma. per_vec tokens a vector: 2 (512-bit, ZMM_VNNI) or 1 (256-bit, VNNI). xg: per block the
+    group's n_tok x 32 codes side by side, block i of the group at x_off + 32 n_tok i; corr: eight
+    int32 a token and block, at 8 (b_off + n_tok i + t); xd: b_off + n_tok i + t."""
+    lanes = 8 * per_vec
+    vf, vi = ir.VectorType(_F32, lanes), _i32(lanes)
+    n_vec = n_tok // per_vec
+    dup = ir.Constant(_i32(32 * per_vec), list(range(32)) * per_vec)
+    flip = ir.Constant(_i8(32), [-128] * 32)
+
+    @intrinsic
+    def tile(typingctx, w, w_off0, w_off1, xg, x_off, corr, xd, b_off, nb):
+        u64 = types.uint64
+        sig = types.UniTuple(types.float32, 2 * n_tok)(w, u64, u64, xg, u64, corr, xd, u64, u64)
+
+        def codegen(context, builder, signature, args):
+            w_, w_off0_, w_off1_, xg_, x_off_, corr_, xd_, b_off_, nb_ = args
+            wp = _ptr(context, builder, signature.args[0], w_)
+            xp = _ptr(context, builder, signature.args[3], xg_)
+            cp = _ptr(context, builder, signature.args[5], corr_)
+            dp = _ptr(context, builder, signature.args[6], xd_)
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(n_vec)]
+                    for _ in range(2)]
+            with cgutils.for_range(builder, nb_) as loop:
+                i = loop.index
+                bo = builder.add(b_off_, builder.mul(i, const(n_tok)))
+                xdn = _load_vec(builder, dp, bo, ir.VectorType(_F32, n_tok))
+                wu, dd = [], []
+                for off in (w_off0_, w_off1_):
+                    o = builder.add(off, builder.mul(i, const(34)))
+                    q = builder.xor(_load_vec(builder, wp, builder.add(o, const(2)), _i8(32)), flip)
+                    wu.append(builder.shuffle_vector(q, q, dup) if per_vec > 1 else q)
+                    d0 = _splat(builder, _load_half(builder, wp, o), ir.VectorType(_F32, n_tok))
+                    dd.append(builder.fmul(d0, xdn))
+                xo = builder.add(x_off_, builder.mul(i, const(32 * n_tok)))
+                for v in range(n_vec):
+                    xv = _load_vec(builder, xp, builder.add(xo, const(32 * per_vec * v)), _i8(32 * per_vec))
+                    cv = _load_vec(builder, cp, builder.add(builder.mul(bo, const(8)), const(lanes * v)), vi)
+                    sel = ir.Constant(_i32(lanes), [per_vec * v + h for h in range(per_vec) for _ in range(8)])
+                    for r in range(2):
+                        xy = builder.sitofp(_dpbusd_n(builder, cv, wu[r], xv), vf)
+                        ddv = builder.shuffle_vector(dd[r], dd[r], sel)
+                        builder.store(_fma(builder, ddv, xy, builder.load(accs[r][v])), accs[r][v])
+            results = []
+            for r in range(2):
+                for v in range(n_vec):
+                    acc = builder.load(accs[r][v])
+                    for h in range(per_vec):
+                        part = builder.shuffle_vector(acc, acc, ir.Constant(_i32(8), list(range(8 * h, 8 * h + 8))))
+                        results.append(_hsum8(builder, part))
+            return context.make_tuple(builder, signature.return_type, results)
+
+        return sig, codegen
+
+    return tile
+
+
+# Q8_0 batches: two rows x eight tokens in 512-bit vectors with AVX-512 VNNI, two rows x four in
+# 256-bit ones with VNNI alone (AVX-VNNI); without VNNI the sign-fix tiles of _legacy_tile
+Q8_0_GROUP = 8 if ZMM_VNNI else 4 if VNNI else 0
+rowdot2xn_q8_0 = _q8_0_two_rows(8, 2) if ZMM_VNNI else _q8_0_two_rows(4, 1)
 
 
 rowdot4_q4_1u = _legacy_tile("q4_1u")
