@@ -84,8 +84,9 @@ def test_matmul_rows_are_the_reference_rows(ggml_type, n_tok):
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
 def test_legacy_batches_of_eight_or_more_keep_the_one_token_rows(ggml_type):
-    """The legacy types' batch products (Q8_0: eight tokens in 512-bit vectors where the CPU has
-    AVX-512 VNNI, then four, then one) are llama.cpp's vec_dot row for every token."""
+    """The legacy types' batch products (Q8_0 with VNNI: two rows x eight tokens (AVX-512) or four
+    (AVX-VNNI) per call, then four-token tiles, then one; an odd row left) are llama.cpp's vec_dot
+    row for every token."""
     raw = _weights(ggml_type, n_rows=27)
     m = cpu.bind(ggml_type, raw, 1024)
     x = _x(23)  # two groups of eight, one of four, three left over

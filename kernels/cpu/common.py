@@ -69,7 +69,7 @@ AVX2 = "avx2" in _FEATURES
 VNNI = AVX2 and ("avxvnni" in _FEATURES or {"avx512vnni", "avx512vl"} <= _FEATURES)
 # AVX-512 with 256-bit forms: 32 vector registers (AVX2 has 16), room for constants kept in them
 REGS32 = AVX2 and {"avx512f", "avx512vl"} <= _FEATURES
-# 512-bit integer ops on bytes and 512-bit vpdpbusd (two tokens' or rows' blocks in one vector)
+# 512-bit byte ops and vpdpbusd (two tokens' blocks in one vector: rowdot._q8_0_two_rows)
 ZMM_VNNI = REGS32 and {"avx512bw", "avx512vnni"} <= _FEATURES
 F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
