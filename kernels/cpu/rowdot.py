@@ -63,19 +63,13 @@ def _fma(builder, a, b, c):
 
 
 def _dpbusd(builder, acc, u8, s8):
-    """<8 x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] (vpdpbusd; VNNI only)."""
-    # the multiplicands as <8 x i32>: LLVM before 21 declares them so, later ones upgrade the call
-    u, s = builder.bitcast(u8, _i32(8)), builder.bitcast(s8, _i32(8))
-    return builder.call(_fn(builder, "llvm.x86.avx512.vpdpbusd.256", _i32(8), [_i32(8)] * 3), [acc, u, s])
-
-
-def _dpbusd_n(builder, acc, u8, s8):
     """<n x i32>: acc + lane j's four products u8[4j+k] * s8[4j+k] of <4n x i8> u8 / s8 (n = 8 or
     16): one vpdpbusd where the CPU has it at that width (VNNI / ZMM_VNNI), else the same integers
     from portable IR."""
     n = acc.type.count
     vi = _i32(n)
     if (n == 16 and ZMM_VNNI) or (n == 8 and VNNI):
+        # the multiplicands as <n x i32>: LLVM before 21 declares them so, later ones upgrade the call
         fn = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * n}", vi, [vi] * 3)
         return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
     prod = builder.mul(builder.zext(u8, _i32(4 * n)), builder.sext(s8, _i32(4 * n)))
@@ -87,16 +81,11 @@ def _dpbusd_n(builder, acc, u8, s8):
 def _quad_sums(builder, u8, s8):
     """<8 x i32>: lane j = sum_{k<4} u8[4j+k] * s8[4j+k] (u8 unsigned, s8 signed; pair sums fit
     int16, as pmaddubsw requires). The same integers from one vpdpbusd where the CPU has it."""
-    if VNNI:
-        return _dpbusd(builder, ir.Constant(_i32(8), [0] * 8), u8, s8)
-    if AVX2:
+    if AVX2 and not VNNI:
         pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
         ones = ir.Constant(_i16(16), [1] * 16)
         return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [pairs, ones])
-    prod = builder.mul(builder.zext(u8, _i32(32)), builder.sext(s8, _i32(32)))
-    parts = [builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), [4 * j + k for j in range(8)]))
-             for k in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    return _dpbusd(builder, ir.Constant(_i32(8), [0] * 8), u8, s8)  # vpdpbusd, or portable IR
 
 
 def _nibbles(builder, base, offset):
@@ -694,7 +683,7 @@ def _q8_0_two_rows(n_tok, per_vec):
                     cv = _load_vec(builder, cp, builder.add(builder.mul(bo, const(8)), const(lanes * v)), vi)
                     sel = ir.Constant(_i32(lanes), [per_vec * v + h for h in range(per_vec) for _ in range(8)])
                     for r in range(2):
-                        xy = builder.sitofp(_dpbusd_n(builder, cv, wu[r], xv), vf)
+                        xy = builder.sitofp(_dpbusd(builder, cv, wu[r], xv), vf)
                         ddv = builder.shuffle_vector(dd[r], dd[r], sel)
                         builder.store(_fma(builder, ddv, xy, builder.load(accs[r][v])), accs[r][v])
             results = []
