@@ -462,6 +462,31 @@ def _reduce8(builder, vs):
     return builder.add(sh(lo, hi, [0, 1, 2, 3, 8, 9, 10, 11]), sh(lo, hi, [4, 5, 6, 7, 12, 13, 14, 15]))
 
 
+def _low_halves(builder, sc):
+    """<32 x i16>: sc[2j] then 0 for each pair j of pair scales sc (one scale per four codes, as
+    every K-quant's groups of 16 or 32 have): as int32 lanes, the scale sign-free in the low half."""
+    lanes = builder.bitcast(sc, _i32(16))
+    return builder.bitcast(builder.and_(lanes, ir.Constant(_i32(16), [0xFFFF] * 16)), _i16(32))
+
+
+def _quads_scaled(builder, acc, u8, s8, sc):
+    """<16 x i32>: acc + lane j's scale * sum_{k<4} u8[4j+k] s8[4j+k] of <64 x i8> u8 / s8, the
+    scales from _low_halves (ZMM_VNNI only). The quad sums (|sum| <= 4 * 63 * 128 < 2^15) are
+    one vpdpbusd; read as int16 pairs (the sum, its sign extension) they meet (scale, 0) in one
+    vpdpwssd, so the scale costs no multiply of its own: two multiplies per 64 codes instead of
+    the four of pmaddubsw + pmaddwd at 256 bits."""
+    vi = _i32(16)
+    quads = _dpbusd(builder, ir.Constant(vi, [0] * 16), u8, s8)
+    fn = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", vi, [vi] * 3)
+    return builder.call(fn, [ir.Constant(vi, [0] * 16) if acc is None else acc, quads, builder.bitcast(sc, vi)])
+
+
+def _fold16(builder, v):
+    """<8 x i32>: v[j] + v[j + 8] of a <16 x i32>."""
+    return builder.add(builder.shuffle_vector(v, v, ir.Constant(_i32(8), list(range(8)))),
+                       builder.shuffle_vector(v, v, ir.Constant(_i32(8), list(range(8, 16)))))
+
+
 def _pair_splat(builder, base, offset):
     """<16 x i16>: the two int16 at base[offset], base[offset + 1] repeated eight times."""
     pair = _load_vec(builder, base, offset, _i16(2))
@@ -501,13 +526,22 @@ def tile8_row(with_corr, with_min):
                 w0, s0, c0 = builder.mul(k, const(256)), builder.mul(k, const(128)), builder.mul(k, const(32))
                 xj = builder.mul(j, const(256))
                 sums = [None] * 8
-                for c in range(8):
-                    w = _load_vec(builder, wp, builder.add(w0, const(32 * c)), _i8(32))
-                    s = _load_vec(builder, sp, builder.add(s0, const(16 * c)), _i16(16))
-                    for t in range(8):
-                        y = _load_vec(builder, xp, builder.add(builder.add(xo[t], xj), const(32 * c)), _i8(32))
-                        p = _pair_scaled(builder, w, y, s)
-                        sums[t] = p if sums[t] is None else builder.add(sums[t], p)
+                if ZMM_VNNI:
+                    for c in range(4):
+                        w = _load_vec(builder, wp, builder.add(w0, const(64 * c)), _i8(64))
+                        s = _low_halves(builder, _load_vec(builder, sp, builder.add(s0, const(32 * c)), _i16(32)))
+                        for t in range(8):
+                            y = _load_vec(builder, xp, builder.add(builder.add(xo[t], xj), const(64 * c)), _i8(64))
+                            sums[t] = _quads_scaled(builder, sums[t], w, y, s)
+                    sums = [_fold16(builder, v) for v in sums]
+                else:
+                    for c in range(8):
+                        w = _load_vec(builder, wp, builder.add(w0, const(32 * c)), _i8(32))
+                        s = _load_vec(builder, sp, builder.add(s0, const(16 * c)), _i16(16))
+                        for t in range(8):
+                            y = _load_vec(builder, xp, builder.add(builder.add(xo[t], xj), const(32 * c)), _i8(32))
+                            p = _pair_scaled(builder, w, y, s)
+                            sums[t] = p if sums[t] is None else builder.add(sums[t], p)
                 s1 = _reduce8(builder, sums)
                 gj = builder.add(g16, builder.mul(j, const(128)))
                 xs = [_load_vec(builder, gp, builder.add(gj, const(16 * p)), _i16(16)) for p in range(8)] \
