@@ -88,12 +88,12 @@ class WeightArena:
         for i in range(0, n, SLICE):
             np.copyto(flat[i:i + SLICE], src[i:i + SLICE])
             if drop:
-                _drop_pages(src[i:i + SLICE])
+                drop_pages(src[i:i + SLICE])
         self.nbytes += n
         return out
 
 
-def _drop_pages(data: np.ndarray) -> None:
+def drop_pages(data: np.ndarray) -> None:
     """madvise(MADV_DONTNEED) on the whole pages inside data's bytes (a read-only file mapping: the
     pages leave this process's resident set and stay in the page cache)."""
     page = mmap.PAGESIZE

@@ -31,8 +31,10 @@ def kernels():
                     out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
                 elif kind == 2:
                     out[t, r] = rowdot_q8_0(raw[r], U(0), xq, U(t) * nb * U(32), xd, U(t) * nb, nb)
-                else:
+                elif kind == 1:
                     out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+                else:  # Q4_K in a batch: llama.cpp's four-token order for the groups of four
+                    out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_tok - n_tok % 4)
 
     return cpu, one_row_products
 
@@ -76,3 +78,35 @@ def test_q4_0_prompt_tiles_equal_the_one_row_kernel(n_tok):
     xq, xd, xs = xa.parts[:3]
     one_row_products(0, raw, xq, xd, xs, n_tok, ref)
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 4, 9, 14])
+def test_packed_q4_k_products_equal_the_one_row_kernel(n_tok):
+    """Q4_K rows packed by eight (Matrix.pack: each row a lane of the kernels' vectors, the form
+    CPUBackend multiplies mapped Q4_K weights in) give every (token, row) the unpacked kernels'
+    result: decode (one token) and batches with groups of four tokens and leftovers."""
+    cpu, one_row_products = kernels()
+    rng = np.random.default_rng(100 + n_tok)
+    n_rows, n_cols = 48, 1536
+    raw = random_rows(GGMLType.Q4_K, n_rows, n_cols, seed=n_tok)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, ::17] *= 40.0
+    m = cpu.bind(GGMLType.Q4_K, raw, n_cols)
+    assert m.pack() and m.packed.shape == (n_rows, raw.shape[1] * 37 // 36)
+    assert not np.array_equal(m.packed[:8, :64], raw[:8, :64])  # another layout, not a copy
+    out = np.full((n_tok, n_rows), np.nan, np.float32)
+    m.matmul(x, out)
+    xa = m.quantize_batch(x)
+    ref = np.full((n_tok, n_rows), np.nan, np.float32)
+    one_row_products(3, raw, *xa.parts[:3], n_tok, ref)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+    if n_tok > 1:  # the batch entry the engine calls
+        again = np.full((n_tok, n_rows), np.nan, np.float32)
+        assert m.matmul_act(xa, again)
+        assert np.array_equal(again.view(np.uint32), ref.view(np.uint32))
+
+
+def test_pack_only_q4_k_with_whole_groups_of_eight_rows():
+    cpu, _ = kernels()
+    assert not cpu.bind(GGMLType.Q4_K, random_rows(GGMLType.Q4_K, 45, 512, seed=1), 512).pack()
+    assert not cpu.bind(GGMLType.Q4_0, random_rows(GGMLType.Q4_0, 48, 512, seed=1), 512).pack()

@@ -295,7 +295,15 @@ class CPUBackend(NumpyBackend):
             from edgellm.validate import check_matrix_bytes
 
             check_matrix_bytes(w)
-            entry = self._bound[id(w)] = (w, self.kernels.bind(w.ggml_type, w.data, w.n_cols))
+            m = self.kernels.bind(w.ggml_type, w.data, w.n_cols)
+            # Q4_K rows packed by eight (Matrix.pack) when the weights are a read-only file
+            # mapping: the mapping's pages are dropped after, so the copy replaces them in memory
+            # (in-memory weights, --no-mmap or the resident arena, stay as they are: no second copy)
+            if self.arena is None and not w.data.flags.writeable and m.pack():
+                from edgellm.resident import drop_pages
+
+                drop_pages(w.data)
+            entry = self._bound[id(w)] = (w, m)
         return entry[1]
 
     def linear(self, w: QMatrix, x: np.ndarray, out: np.ndarray) -> None:
@@ -535,12 +543,14 @@ class CPUBackend(NumpyBackend):
         if not (ops.F16_NATIVE and kc.dtype == np.uint16 and kc.shape[2] % 8 == 0 and vc.shape[2] % 8 == 0
                 and all(isinstance(m, QMatrix) and m.ggml_type in fused.ROW_TYPES for m in mats)):
             return False
-        weights = tuple(self._matrix(m).raw for m in mats)
+        bound = [self._matrix(m) for m in mats]
+        weights = tuple(b.raw if b.packed is None else b.packed for b in bound)
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-        tids = np.array([m.ggml_type for m in mats], dtype=np.int64)
-        types = {m.ggml_type for m in mats}
+        tids = np.array([fused.Q4_K8 if b.packed is not None else m.ggml_type for m, b in zip(mats, bound)],
+                        dtype=np.int64)
+        types = {int(t) for t in tids}
         return weights, norms, tids, {}, fused.type_mask(types), fused.max_tokens(types)
 
     def _fused_activations(self, n: int):

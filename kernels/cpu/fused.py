@@ -35,14 +35,17 @@ from edgellm.kernels.cpu.ops import add_rms_norm, attend_ggml, expf_ggml, gelu_g
 from edgellm.kernels.cpu.legacy import _row_q4_0
 from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q3_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
                                         rowdot_q8_0)
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k, rows8_q8_0
+from edgellm.kernels.cpu.rows8 import il8_q4_k, rows8_q4_0, rows8_q4_k, rows8_q8_0
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
     GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
-ROW_ORDER = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+# Q4_K rows packed by eight (Matrix.pack, kquants.pack8_q4_k): a kernel id of its own in the
+# layer table, not a ggml type (the weights are those of the Q4_K matrix, in another layout)
+Q4_K8 = 1000 + Q4_K
+ROW_ORDER = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_K8)
 ROW_TYPES = frozenset(ROW_ORDER)
-K_TYPES = frozenset((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))  # activations in Q8_K form (the others: Q8_0 / Q8_1)
+K_TYPES = frozenset((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_K8))  # activations in Q8_K form (the others: Q8_0 / Q8_1)
 
 
 def type_mask(types) -> tuple:
@@ -65,7 +68,7 @@ def _present(mask) -> frozenset:
 @njit(inline="always")
 def _is_k(tid):
     """The type takes its activations in Q8_K form (the others: Q8_0 / Q8_1, "q8_32")."""
-    return tid == Q2_K or tid == Q3_K or tid == Q4_K or tid == Q5_K or tid == Q6_K
+    return tid == Q2_K or tid == Q3_K or tid == Q4_K or tid == Q5_K or tid == Q6_K or tid == Q4_K8
 
 
 def max_tokens(types) -> int:
@@ -102,7 +105,7 @@ def _rows_overload(mask, tid, w, c, out, a32, ak, n_in, n_tok):
 def _rows_for(present: frozenset):
     """_rows for the types in `present`: the absent types' branches test a False constant, which
     Numba prunes before typing, so their row kernels are never compiled."""
-    has_q4_0, has_q4_1, has_q5_0, has_q5_1, has_q8_0, has_q2_k, has_q3_k, has_q4_k, has_q5_k, has_q6_k = (
+    has_q4_0, has_q4_1, has_q5_0, has_q5_1, has_q8_0, has_q2_k, has_q3_k, has_q4_k, has_q5_k, has_q6_k, has_q4_k8 = (
         t in present for t in ROW_ORDER)
 
     def rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
@@ -145,6 +148,9 @@ def _rows_for(present: frozenset):
             elif has_q2_k and tid == Q2_K:
                 for r in range(r0, r1):
                     out[oo + r] = rowdot_q2_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
+            elif has_q4_k8 and tid == Q4_K8:  # packed by eight: n_rows and CHUNK multiples of 8
+                for r in range(r0, r1, 8):
+                    il8_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], bk, nk, out, oo + U(r))
             elif has_q4_k and tid == Q4_K:
                 r8 = r0 + (r1 - r0) // 8 * 8
                 for r in range(r0, r8, 8):

@@ -30,7 +30,7 @@ from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U,
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
                                         sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
                                         unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
-from edgellm.kernels.cpu.rows8 import IL_SB, il8x4_q4_k, rows8_q4_k
+from edgellm.kernels.cpu.rows8 import Q4_K8_SB, il8_q4_k, il8x4_q4_k, rows8_q4_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -229,45 +229,65 @@ def sums32(xs):
 
 
 @njit(inline="always")
-def interleave8_q4_k(raw, r0, n_groups, nb):
-    """Rows r0 .. r0 + 8 n_groups of a Q4_K matrix interleaved by eight for rows8.il8x4_q4_k:
-    super-block j of group i is g = i nb + j; codes[IL_SB g + 32 (8 b + s) + 4 r + q] = code
-    4s + q of sub-block b of row r; scl[128 g + 16 b + 2 r + (0, 1)] its scale;
-    mns[64 g + 16 (b // 2) + 2 r + b % 2] its min (pairs of sub-blocks as i16 pairs); dws / dms[8 g + r] its d / dmin."""
-    n_sb = U(n_groups) * nb
-    codes = np.empty(n_sb * U(IL_SB), np.uint8)
-    scl = np.empty(n_sb * U(128), np.int16)
-    mns = np.empty(n_sb * U(64), np.int16)
-    dws = np.empty(n_sb * U(8), F32)
-    dms = np.empty(n_sb * U(8), F32)
-    row_codes = np.empty(256, np.uint8)
-    c32 = codes.view(np.uint32)
-    r32 = row_codes.view(np.uint32)
-    for i in range(n_groups):
-        for r in range(U(8)):
-            row = raw[r0 + U(8) * U(i) + r]
-            for j in range(nb):
-                g = U(i) * nb + j
-                o = j * U(Q4_K_BYTES)
-                unpack_q4_k(row, o, row_codes, U(0))
-                for b in range(U(8)):
-                    for st in range(U(8)):
-                        c32[(g * U(64) + U(8) * b + st) * U(8) + r] = r32[U(8) * b + st]
-                    sc, mn = _scale_min(row, o + U(4), b)
-                    scl[U(128) * g + U(16) * b + U(2) * r] = sc
-                    scl[U(128) * g + U(16) * b + U(2) * r + U(1)] = sc
-                    mns[U(64) * g + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
-                dws[U(8) * g + r] = load_f16(row, o)
-                dms[U(8) * g + r] = load_f16(row, o + U(2))
-    return codes, scl, mns, dws, dms
+def _pack8(raw, r0, out, o0, nb):
+    """Rows r0 .. r0 + 7 of a Q4_K matrix packed by eight (rows8.il8_q4_k's layout, Q4_K8_SB
+    bytes per super-block) into out from byte o0 on."""
+    for r in range(U(8)):
+        row = raw[r0 + r]
+        for j in range(nb):
+            s = j * U(Q4_K_BYTES)
+            o = o0 + j * U(Q4_K8_SB)
+            for c in range(U(4)):
+                for st in range(U(8)):
+                    for q in range(U(4)):
+                        out[o + U(256) * c + U(32) * st + U(4) * r + q] = row[s + U(16) + U(32) * c + U(4) * st + q]
+            for k in range(U(2)):
+                out[o + U(1024) + U(2) * r + k] = row[s + k]
+                out[o + U(1040) + U(2) * r + k] = row[s + U(2) + k]
+            for b in range(U(8)):
+                sc, mn = _scale_min(row, s + U(4), b)
+                out[o + U(1056) + U(8) * b + r] = sc
+                out[o + U(1120) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
+
+
+@njit(**JIT)
+def pack8_q4_k(raw):
+    """A Q4_K matrix (n_rows a multiple of 8) packed by eight rows for rows8.il8_q4_k /
+    il8x4_q4_k: uint8 (n_rows, row_bytes * 37 / 36), group g (rows 8g .. 8g + 7) from row 8g's
+    start on, so row offsets (r * row bytes, r a multiple of 8) mean what they mean for the
+    rows (the unpacked 6-bit scales and mins: 32 bytes more per eight rows' super-block)."""
+    n_rows = raw.shape[0]
+    nb = U(raw.shape[1] // Q4_K_BYTES)
+    rb = nb * U(Q4_K8_SB // 8)
+    out = np.empty((n_rows, rb), np.uint8)
+    flat = out.reshape(-1)
+    for g in prange(n_rows // 8):
+        _pack8(raw, U(8 * g), flat, U(g) * U(8) * rb, nb)
+    return out
+
+
+@njit(**JIT)
+def matvec_q4_k8(packed, xq, xd, xs, xm, out):
+    """matvec_q4_k's results (bit for bit) from the packed rows (pack8_q4_k)."""
+    nb, rb = U(xd.size), U(packed.shape[1])
+    for g in prange(packed.shape[0] // 8):
+        il8_q4_k(packed, U(g) * U(8) * rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
+
+
+@njit(inline="always")
+def _gemm_groups(w, w0, n8, rb, xq, xd, xs32, nb, n_gemm, flat, ns, r0):
+    """The first n_gemm tokens (a multiple of 4) over n8 packed groups from byte w0 on."""
+    for t in range(0, n_gemm, 4):
+        for i in range(n8):
+            il8x4_q4_k(w, w0 + U(i) * U(8) * rb, xq, xd, xs32, U(t) * nb, nb, flat, U(t) * ns + U(r0 + 8 * i), ns)
 
 
 @njit(**JIT)
 def matmul_q4_k(raw, xq, xd, xs, xm, out):
     """The repacked Q4_K order for a batch (see _row_q4_k): four tokens at a time with a step per
     pair of sub-blocks, the rest of the tokens with one per super-block (rows8_q4_k), the last
-    n_rows % 8 rows one by one. Chunks of 16 rows per thread, interleaved once (interleave8_q4_k)
-    for the groups of four tokens (rows8.il8x4_q4_k)."""
+    n_rows % 8 rows one by one. Chunks of 16 rows per thread, packed by eight once
+    (pack8_q4_k's layout) for the groups of four tokens (rows8.il8x4_q4_k)."""
     n_tok, n_rows = out.shape
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
@@ -279,17 +299,37 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
         n8 = (r1 - r0) // 8
         r8 = r0 + n8 * 8
         if n_gemm > 0 and n8 > 0:
-            codes, scl, mns, dws, dms = interleave8_q4_k(raw, U(r0), n8, nb)
-            for t in range(0, n_gemm, 4):
-                for i in range(n8):
-                    il8x4_q4_k(codes, scl, mns, dws, dms, U(i) * nb, xq, xd, xs32, U(t) * nb, nb, flat,
-                               U(t) * ns + U(r0 + 8 * i), ns)
+            prb = nb * U(Q4_K8_SB // 8)
+            packed = np.empty(U(n8) * U(8) * prb, np.uint8)
+            for i in range(n8):
+                _pack8(raw, U(r0 + 8 * i), packed, U(i) * U(8) * prb, nb)
+            _gemm_groups(packed, U(0), n8, prb, xq, xd, xs32, nb, n_gemm, flat, ns, r0)
         for t in range(n_gemm, n_tok):
             for r in range(r0, r8, 8):
                 rows8_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
         for t in range(n_tok):
             for r in range(r8, r1):
                 out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_gemm)
+
+
+@njit(**JIT)
+def matmul_q4_k8(packed, xq, xd, xs, xm, out):
+    """matmul_q4_k's results (bit for bit) from the packed rows (pack8_q4_k): four tokens at a
+    time over each group of eight rows, the rest of the tokens one by one (il8_q4_k)."""
+    n_tok, n_rows = out.shape
+    nb, rb, ns = U(xd.size // n_tok), U(packed.shape[1]), U(n_rows)
+    n_gemm = n_tok - n_tok % 4
+    flat = out.reshape(-1)
+    pflat = packed.reshape(-1)
+    xs32 = sums32(xs)
+    for c in prange((n_rows + 15) // 16):
+        r0 = c * 16
+        n8 = (min(r0 + 16, n_rows) - r0) // 8
+        _gemm_groups(pflat, U(r0) * rb, n8, rb, xq, xd, xs32, nb, n_gemm, flat, ns, r0)
+        for t in range(n_gemm, n_tok):
+            for i in range(n8):
+                r = r0 + 8 * i
+                il8_q4_k(pflat, U(r) * rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
 
 
 @njit(**JIT)

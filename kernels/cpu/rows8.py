@@ -13,8 +13,10 @@ order. So each output is the one-row kernel's, bit for bit, and eight row stream
     rows8_q4_k(w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off)
     il8x4_q4_0(codes, dws, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
         # four tokens, Q4_0 rows interleaved by legacy.interleave8_q4_0
-    il8x4_q4_k(codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
-        # four tokens, Q4_K rows interleaved by kquants.interleave8_q4_k (gemm order)
+    il8_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off)
+        # rows8_q4_k's results from eight rows packed by kquants.pack8_q4_k
+    il8x4_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
+        # four tokens over packed rows (gemm order)
 
 w: uint8 weights, row r (0..7) at byte w_off + r * rb; activations as in the one-row kernels
 (Q8_0 "q8_32" parts with xs the block sums, or Q8_K parts with xs the 16-value sums), block i at
@@ -229,69 +231,142 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
     return sig, codegen
 
 
-# --- Q4_K prompt products from rows interleaved by eight ----------------------------------------
-# Unpacking the rows' codes and scales again for each group of four tokens and summing each
-# (row, token) with a horizontal reduction per pair of sub-blocks (the earlier rows8x4_q4_k) ran
-# at 0.6x of this (gate 8192 x 2048, 128 tokens: 30.9 -> 19.2 ms). llama.cpp's repacked
-# kernels keep the rows in the lanes instead. `kquants.interleave8_q4_k` writes a chunk of rows so
-# once (per super-block: for sub-block b and step s of four weights, 32 bytes = the eight rows'
-# four codes; the scales as i16 pairs, the mins, d and dmin as lanes of row r), and
-# il8x4_q4_k passes four tokens over it: each step a broadcast of four x bytes, one pmaddubsw per
-# token into 16-bit lanes (eight steps of a sub-block: |sum| <= 8 * 2 * 15 * 128 < 2^15), one
-# pmaddwd with the rows' scales per sub-block; lane r is row r's exact integer sum, no reduction.
-IL_SB = 2048  # interleaved code bytes per super-block of eight rows
+# --- Q4_K rows packed by eight: decode and prompt products with the rows in the lanes -----------
+# rows8_q4_k keeps each row's sums in its own vector and reduces the eight at every super-block;
+# on a 16-register AVX2 core that (with the per-row scale splats and the stack traffic of the
+# loaded x) held it to ~11 GB/s a core from the cache. llama.cpp repacks Q4_K at load so a row is
+# a lane (its block_q4_Kx8). kquants.pack8_q4_k writes eight rows that way once, still 4-bit:
+# per super-block of the eight rows (Q4_K8_SB bytes), for pair c of sub-blocks and step s of
+# four bytes, 32 bytes = the eight rows' bytes 16 + 32 c + 4 s .. + 3 (low nibbles: codes 4s..4s+3
+# of sub-block 2c, high: of 2c + 1); then the rows' d and dmin (f16 lanes), their eight 6-bit
+# scales as bytes [b][r] and mins as bytes [c][r][2] (unpacked: 128 bytes where the rows had 96).
+# Each step is a broadcast of four x bytes and one pmaddubsw per sub-block into 16-bit lanes
+# (eight steps: |sum| <= 8 * 2 * 15 * 128 < 2^15), one pmaddwd with the rows' scales per
+# sub-block; lane r is row r's exact integer sum, never reduced. The float steps are the
+# row kernels' (one fma per super-block for one token, per pair of sub-blocks for four), so every
+# result is theirs bit for bit.
+Q4_K8_SB = 1184  # bytes per super-block of eight packed rows: 1024 codes, 16 d, 16 dmin, 64 scales, 64 mins
+_P_D, _P_DMIN, _P_SC, _P_MN = 1024, 1040, 1056, 1120
+
+
+def _halves_lanes(builder, wp, o):
+    """<8 x float>: the eight f16 at byte o of wp."""
+    h = _load_vec(builder, wp, o, ir.VectorType(ir.IntType(16), 8))
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V8F)
+
+
+def _packed_steps(builder, wp, o, c, xs_at):
+    """Sub-blocks 2c and 2c + 1 of a packed super-block at byte o: ([<16 x i16>] per x, for each
+    of the two) the eight steps' pmaddubsw sums, x's four bytes of step s of sub-block b at
+    xs_at(b, s) for each x (a list of functions, one per token)."""
+    m4 = ir.Constant(_i8(32), [15] * 32)
+    z16 = ir.Constant(_i16(16), [0] * 16)
+    acc = [[z16, z16] for _ in xs_at]
+    for s in range(8):
+        q = _load_vec(builder, wp, builder.add(o, const(256 * c + 32 * s)), _i8(32))
+        lo = builder.and_(q, m4)
+        hi = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(q, _i16(16)), ir.Constant(_i16(16), [4] * 16)),
+                                          _i8(32)), m4)
+        for t, at in enumerate(xs_at):
+            for h, cv in ((0, lo), (1, hi)):
+                xv = builder.bitcast(_splat(builder, at(2 * c + h, s), _i32(8)), _i8(32))
+                acc[t][h] = builder.add(acc[t][h], _maddubs(builder, cv, xv))
+    return acc
+
+
+def _packed_scale(builder, wp, o, b):
+    """<16 x i16>: the eight rows' scales of sub-block b as (sc, sc) pairs, lane pair r = row r."""
+    sc = builder.zext(_load_vec(builder, wp, builder.add(o, const(_P_SC + 8 * b)), _i8(8)), _i32(8))
+    return builder.bitcast(builder.or_(sc, builder.shl(sc, ir.Constant(_i32(8), [16] * 8))), _i16(16))
+
+
+def _packed_mins(builder, wp, o, c):
+    """<16 x i16>: the rows' mins of sub-blocks 2c, 2c + 1 as pairs (lane pair r = row r)."""
+    return builder.zext(_load_vec(builder, wp, builder.add(o, const(_P_MN + 16 * c)), _i8(16)), _i16(16))
+
+
+def _x4(builder, xp, xo):
+    return lambda b, s: _load_vec(builder, xp, builder.add(xo, const(32 * b + 4 * s)), _I32)
 
 
 @intrinsic
-def il8x4_q4_k(typingctx, codes, scl, mns, dws, dms, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
-    """Eight Q4_K rows x four tokens in the order of llama.cpp's four-token Q4_K kernel
-    (kquants._row_q4_k with per_pair: an fma per pair of sub-blocks, bit for bit) for eight rows
-    interleaved at super-block g_off on (kquants.interleave8_q4_k): token t's super-blocks at
-    b_off + t nb, its results at out_off + t out_stride. xs here: int16 sums of x per sub-block
-    of 32 (kquants.sums32; |sum| <= 32 * 128), block i's eight at 8 i; the mins as i16 pairs, so
-    a pair of sub-blocks' min term is one pmaddwd for the eight rows."""
-    u64 = types.uint64
-    sig = types.void(codes, scl, mns, dws, dms, u64, xq, xd, xs, u64, u64, out, u64, u64)
+def il8_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off):
+    """rows8_q4_k's eight results (bit for bit) from eight Q4_K rows packed at byte w_off
+    (kquants.pack8_q4_k; super-block j at w_off + Q4_K8_SB j), x as for rows8_q4_k (Q8_K parts,
+    xs the sums per 16)."""
+    sig = types.void(w, types.uint64, xq, xd, xs, types.uint64, types.uint64, out, types.uint64)
 
     def codegen(context, builder, signature, args):
-        g_off_, b_off_, nb_, out_off_, out_stride_ = args[5], args[9], args[10], args[12], args[13]
-        cp, sp, mp, dwp, dmp, xp, dp, gp, op = _pointers(context, builder, signature, args,
-                                                          (0, 1, 2, 3, 4, 6, 7, 8, 11))
+        w_off_, b_off_, nb_, out_off_ = args[1], args[5], args[6], args[8]
+        wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 2, 3, 4, 7))
+        zero = ir.Constant(_V8F, [0.0] * 8)
+        acc = cgutils.alloca_once_value(builder, zero)
+        acc_m = cgutils.alloca_once_value(builder, zero)
+        with cgutils.for_range(builder, nb_) as loop:
+            j = loop.index
+            i = builder.add(b_off_, j)
+            o = builder.add(w_off_, builder.mul(j, const(Q4_K8_SB)))
+            _prefetch(builder, wp, builder.add(o, const(2 * Q4_K8_SB)), Q4_K8_SB - 64)
+            # x's sums per 32 (pairs of its sums per 16; |sum| <= 32 * 128: exact in int16)
+            s16 = _load_vec(builder, sp, builder.mul(i, const(16)), _i32(16))
+            s32 = builder.add(builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(0, 16, 2)))),
+                              builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(1, 16, 2)))))
+            pairs = builder.bitcast(builder.trunc(s32, _i16(8)), _i32(4))
+            isum = msum = None
+            for c in range(4):
+                (a_lo, a_hi), = _packed_steps(builder, wp, o, c, [_x4(builder, xp, builder.mul(i, const(256)))])
+                for b, a16 in ((2 * c, a_lo), (2 * c + 1, a_hi)):
+                    p = _madd16(builder, a16, _packed_scale(builder, wp, o, b))
+                    isum = p if isum is None else builder.add(isum, p)
+                xpair = _splat(builder, builder.extract_element(pairs, ir.Constant(_I32, c)), _i32(8))
+                p = _madd16(builder, _packed_mins(builder, wp, o, c), builder.bitcast(xpair, _i16(16)))
+                msum = p if msum is None else builder.add(msum, p)
+            dx = _splat(builder, builder.load(builder.gep(dp, [i])), _V8F)
+            d = builder.fmul(_halves_lanes(builder, wp, builder.add(o, const(_P_D))), dx)
+            dmin = builder.fmul(_halves_lanes(builder, wp, builder.add(o, const(_P_DMIN))), dx)
+            builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(acc)), acc)
+            builder.store(_fma(builder, builder.sitofp(msum, _V8F), dmin, builder.load(acc_m)), acc_m)
+        _store8(builder, op, out_off_, builder.fsub(builder.load(acc), builder.load(acc_m)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def il8x4_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
+    """Eight packed Q4_K rows (at byte w_off, as for il8_q4_k) x four tokens in the order of
+    llama.cpp's four-token Q4_K kernel (kquants._row_q4_k with per_pair: an fma per pair of
+    sub-blocks, bit for bit): token t's super-blocks at b_off + t nb, its results at out_off +
+    t out_stride. xs here: int16 sums of x per sub-block of 32 (kquants.sums32), block i's eight
+    at 8 i; a pair of sub-blocks' min term is one pmaddwd for the eight rows."""
+    u64 = types.uint64
+    sig = types.void(w, u64, xq, xd, xs, u64, u64, out, u64, u64)
+
+    def codegen(context, builder, signature, args):
+        w_off_, b_off_, nb_, out_off_, out_stride_ = args[1], args[5], args[6], args[8], args[9]
+        wp, xp, dp, gp, op = _pointers(context, builder, signature, args, (0, 2, 3, 4, 7))
         zero = ir.Constant(_V8F, [0.0] * 8)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
         accms = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
-        z16 = ir.Constant(_i16(16), [0] * 16)
         with cgutils.for_range(builder, nb_) as loop:
             j = loop.index
-            g = builder.add(g_off_, j)
-            dw = _load_vec(builder, dwp, builder.mul(g, const(8)), _V8F)
-            dmw = _load_vec(builder, dmp, builder.mul(g, const(8)), _V8F)
+            o = builder.add(w_off_, builder.mul(j, const(Q4_K8_SB)))
+            dw = _halves_lanes(builder, wp, builder.add(o, const(_P_D)))
+            dmw = _halves_lanes(builder, wp, builder.add(o, const(_P_DMIN)))
             its = [builder.add(builder.add(b_off_, builder.mul(const(t), nb_)), j) for t in range(4)]
             dxs = [_splat(builder, builder.load(builder.gep(dp, [i])), _V8F) for i in its]
             dd = [builder.fmul(dw, dx) for dx in dxs]
             dm = [builder.fmul(dmw, dx) for dx in dxs]
-            xb = [builder.mul(i, const(256)) for i in its]
-            cb = builder.mul(g, const(IL_SB))
+            ats = [_x4(builder, xp, builder.mul(i, const(256))) for i in its]
             for c in range(4):
-                parts = [None] * 4
-                for h in range(2):
-                    b = 2 * c + h
-                    acc16 = [z16] * 4
-                    for s in range(8):
-                        w = _load_vec(builder, cp, builder.add(cb, const(32 * (8 * b + s))), _i8(32))
-                        for t in range(4):
-                            x4 = _load_vec(builder, xp, builder.add(xb[t], const(32 * b + 4 * s)), ir.IntType(32))
-                            xv = builder.bitcast(_splat(builder, x4, _i32(8)), _i8(32))
-                            acc16[t] = builder.add(acc16[t], _maddubs(builder, w, xv))
-                    sc = _load_vec(builder, sp, builder.add(builder.mul(g, const(128)), const(16 * b)), _i16(16))
-                    for t in range(4):
-                        p = _madd16(builder, acc16[t], sc)
-                        parts[t] = p if parts[t] is None else builder.add(parts[t], p)
-                mc = _load_vec(builder, mp, builder.add(builder.mul(g, const(64)), const(16 * c)), _i16(16))
+                acc16 = _packed_steps(builder, wp, o, c, ats)
+                sc_lo, sc_hi = _packed_scale(builder, wp, o, 2 * c), _packed_scale(builder, wp, o, 2 * c + 1)
+                mc = _packed_mins(builder, wp, o, c)
                 for t, i in enumerate(its):
-                    x2 = _load_vec(builder, gp, builder.add(builder.mul(i, const(8)), const(2 * c)), ir.IntType(32))
+                    part = builder.add(_madd16(builder, acc16[t][0], sc_lo), _madd16(builder, acc16[t][1], sc_hi))
+                    x2 = _load_vec(builder, gp, builder.add(builder.mul(i, const(8)), const(2 * c)), _I32)
                     msum = _madd16(builder, mc, builder.bitcast(_splat(builder, x2, _i32(8)), _i16(16)))
-                    builder.store(_fma(builder, builder.sitofp(parts[t], _V8F), dd[t], builder.load(accs[t])), accs[t])
+                    builder.store(_fma(builder, builder.sitofp(part, _V8F), dd[t], builder.load(accs[t])), accs[t])
                     builder.store(_fma(builder, builder.sitofp(msum, _V8F), dm[t], builder.load(accms[t])), accms[t])
         for t in range(4):
             res = builder.fsub(builder.load(accs[t]), builder.load(accms[t]))
