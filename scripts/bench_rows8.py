@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A/B of the eight-row 4-bit kernels (kernels/cpu/rows8.py) against the one-row kernels they
 replace, per matrix of the Llama-3.2-1B shape: bit-equality and CPU time (process time, so other
-work on a shared machine does not count), alternating in one process, medians.
+work on a shared machine does not count), alternating in one process, medians. Q4_K also times
+the packed rows (kquants.pack8_q4_k / matvec_q4_k8, what CPUBackend runs for mapped Q4_K).
 
     python scripts/bench_rows8.py [--threads 1] [--reps 9] [--kinds q4_0,q4_k]
 """
@@ -77,17 +78,28 @@ def main() -> int:
             one(w, xq, xd, xs, a)
             eight(w, xq, xd, xs, b)
             same = np.array_equal(a.view(np.uint32), b.view(np.uint32))
+            runs = [(one, w, a, []), (eight, w, b, [])]
+            if kind == "q4_k":
+                from edgellm.kernels.cpu.kquants import matvec_q4_k8, pack8_q4_k
+
+                p, c = pack8_q4_k(w), np.empty(n, np.float32)
+                matvec_q4_k8(p, xq, xd, xs, xs, c)
+                same = same and np.array_equal(a.view(np.uint32), c.view(np.uint32))
+                runs.append((lambda p_, *r: matvec_q4_k8(p_, *r[:3], r[2], r[3]), p, c, []))
             calls = max(3, int(2e8 // w.nbytes))
-            t1, t8 = [], []
             for _ in range(args.reps):
-                for f, out, ts in ((one, a, t1), (eight, b, t8)):
+                for f, arg, out, ts in runs:
                     t0 = time.process_time()
                     for _ in range(calls):
-                        f(w, xq, xd, xs, out)
+                        f(arg, xq, xd, xs, out)
                     ts.append((time.process_time() - t0) / calls)
-            m1, m8 = float(np.median(t1)), float(np.median(t8))
-            print(f"{kind} {n:>6} x {k:<5} bit-equal {same}  one-row {w.nbytes / m1 / 1e9:5.1f} GB/s  "
-                  f"eight-row {w.nbytes / m8 / 1e9:5.1f} GB/s  {m1 / m8:4.2f}x", flush=True)
+            m1, m8 = (float(np.median(r[3])) for r in runs[:2])
+            line = (f"{kind} {n:>6} x {k:<5} bit-equal {same}  one-row {w.nbytes / m1 / 1e9:5.1f} GB/s  "
+                    f"eight-row {w.nbytes / m8 / 1e9:5.1f} GB/s  {m1 / m8:4.2f}x")
+            if len(runs) > 2:
+                mp = float(np.median(runs[2][3]))
+                line += f"  packed {w.nbytes / mp / 1e9:5.1f} GB/s  {m8 / mp:4.2f}x of eight-row"
+            print(line, flush=True)
     return 0
 
 
