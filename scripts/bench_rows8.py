@@ -83,9 +83,12 @@ def main() -> int:
                 from edgellm.kernels.cpu.kquants import matvec_q4_k8, pack8_q4_k
 
                 p, c = pack8_q4_k(w), np.empty(n, np.float32)
-                matvec_q4_k8(p, xq, xd, xs, xs, c)
+                matvec_q4_k8(p, xq, xd, xs, xs, c)  # (xm: unused by K-quants)
                 same = same and np.array_equal(a.view(np.uint32), c.view(np.uint32))
-                runs.append((lambda p_, *r: matvec_q4_k8(p_, *r[:3], r[2], r[3]), p, c, []))
+                def packed(p_, xq_, xd_, xs_, out_):
+                    matvec_q4_k8(p_, xq_, xd_, xs_, xs_, out_)  # (xm: unused by K-quants)
+
+                runs.append((packed, p, c, []))
             calls = max(3, int(2e8 // w.nbytes))
             for _ in range(args.reps):
                 for f, arg, out, ts in runs:

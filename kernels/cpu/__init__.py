@@ -376,8 +376,8 @@ class Matrix:
     """A weight matrix checked once, with its compiled kernels: the per-call cost of products is
     a shape check and the kernel call. Build with `bind`."""
 
-    __slots__ = ("ggml_type", "raw", "n_rows", "n_cols", "act_format", "packed", "_qtype", "_deq", "_mv",
-                 "_mm", "_scratch", "_mins")
+    __slots__ = ("ggml_type", "raw", "n_rows", "n_cols", "act_format", "packed", "weights", "_qtype", "_deq",
+                 "_mv", "_mm", "_scratch", "_mins")
 
     def __init__(self, ggml_type, raw, n_cols: int | None = None):
         qtype = _QTYPES.get(ggml_type) or quant_type(ggml_type)  # raises for unknown ids
@@ -395,7 +395,8 @@ class Matrix:
                 f"{ACT_BLOCK[self.act_format]} columns")
         self._deq, self._mv = _kernel_pair(self.ggml_type)
         self._mm = _matmul_kernel(self.ggml_type)
-        self.packed = None  # the rows packed by eight (Q4_K, after pack()): what the products read
+        self.packed = None  # the rows packed by eight (Q4_K, after pack())
+        self.weights = self.raw  # what the product kernels read: raw, or packed once packed
         self._scratch = None  # the Activation of matvec(x), reused call after call
         self._mins = None  # Q4_1 / Q5_1 block mins, for matmul's Q8_1 sum correction
 
@@ -408,7 +409,7 @@ class Matrix:
             if self.ggml_type != GGMLType.Q4_K or self.n_rows == 0 or self.n_rows % 8:
                 return False
             kq = _import("kquants")
-            self.packed = kq.pack8_q4_k(self.raw)
+            self.packed = self.weights = kq.pack8_q4_k(self.raw)
             self._mv, self._mm = kq.matvec_q4_k8, kq.matmul_q4_k8
         return True
 
@@ -444,7 +445,7 @@ class Matrix:
         exact = self._mm
         if exact is None or xa.format != self.act_format or xa.n != out.shape[0] * self.n_cols:
             return False
-        exact(self.raw if self.packed is None else self.packed, *xa.parts, _floats("out", out, (out.shape[0], self.n_rows), True))
+        exact(self.weights, *xa.parts, _floats("out", out, (out.shape[0], self.n_rows), True))
         return True
 
     def matvec_act(self, xa: Activation, out: np.ndarray) -> None:
@@ -457,7 +458,7 @@ class Matrix:
         if self._mv is None:
             np.matmul(self.raw.view(np.float32), xa.parts[0], out=out)
         else:
-            self._mv(self.raw if self.packed is None else self.packed, *xa.parts, out)
+            self._mv(self.weights, *xa.parts, out)
 
     def matmul(self, x: np.ndarray, out: np.ndarray) -> None:
         """out float32 (n_tok, n_rows) = x @ W.T, x float32 (n_tok, n_cols).
@@ -474,7 +475,7 @@ class Matrix:
             return
         exact = self._mm
         if exact is not None:  # the same row dot products as matvec, in llama.cpp's order
-            exact(self.raw if self.packed is None else self.packed, *self.quantize_batch(x).parts, out)
+            exact(self.weights, *self.quantize_batch(x).parts, out)
             return
         xr = requantize(self.act_format, x)
         if self.ggml_type in _Q8_1_WEIGHTS:

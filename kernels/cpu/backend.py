@@ -544,7 +544,7 @@ class CPUBackend(NumpyBackend):
                 and all(isinstance(m, QMatrix) and m.ggml_type in fused.ROW_TYPES for m in mats)):
             return False
         bound = [self._matrix(m) for m in mats]
-        weights = tuple(b.raw if b.packed is None else b.packed for b in bound)
+        weights = tuple(b.weights for b in bound)
         norms = tuple(_NONE if a is None else a for a in (
             L.attn_norm, L.post_attention_norm, L.ffn_norm, L.post_ffw_norm, L.attn_q_norm, L.attn_k_norm,
             L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))

@@ -30,7 +30,7 @@ from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U,
 from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
                                         sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
                                         unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
-from edgellm.kernels.cpu.rows8 import Q4_K8_SB, il8_q4_k, il8x4_q4_k, rows8_q4_k
+from edgellm.kernels.cpu.rows8 import _P_D, _P_DMIN, _P_MN, _P_SC, Q4_K8_SB, il8_q4_k, il8x4_q4_k, rows8_q4_k
 
 QK_K = 256
 # Bytes per super-block, fields in memory order.
@@ -242,12 +242,12 @@ def _pack8(raw, r0, out, o0, nb):
                     for q in range(U(4)):
                         out[o + U(256) * c + U(32) * st + U(4) * r + q] = row[s + U(16) + U(32) * c + U(4) * st + q]
             for k in range(U(2)):
-                out[o + U(1024) + U(2) * r + k] = row[s + k]
-                out[o + U(1040) + U(2) * r + k] = row[s + U(2) + k]
+                out[o + U(_P_D) + U(2) * r + k] = row[s + k]
+                out[o + U(_P_DMIN) + U(2) * r + k] = row[s + U(2) + k]
             for b in range(U(8)):
                 sc, mn = _scale_min(row, s + U(4), b)
-                out[o + U(1056) + U(8) * b + r] = sc
-                out[o + U(1120) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
+                out[o + U(_P_SC) + U(8) * b + r] = sc
+                out[o + U(_P_MN) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
 
 
 @njit(**JIT)
