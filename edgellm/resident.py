@@ -66,6 +66,22 @@ class WeightArena:
         self._chunks.append(m)
         return buf[start:start + (size - HUGE)]
 
+    def _take(self, n: int) -> np.ndarray:
+        """n bytes of the arena (64-byte aligned), uint8, not initialized."""
+        if n > CHUNK:
+            return self._alloc(n)[:n]
+        if self._cur is None or self._used + n > self._cur.size:
+            self._cur, self._used = self._alloc(CHUNK), 0
+        dst = self._cur[self._used:self._used + n]
+        self._used += (n + 63) // 64 * 64
+        return dst
+
+    def empty(self, shape) -> np.ndarray:
+        """A uint8 array of `shape` in the arena, not initialized (what Q4_K rows are packed into)."""
+        n = int(np.prod(shape))
+        self.nbytes += n
+        return self._take(n).reshape(shape)
+
     def copy(self, data: np.ndarray) -> np.ndarray:
         """data copied into the arena. When data is read-only (a view of a file mapped for reading:
         GGUFFile's), the mapping's pages of it are dropped; writable memory is left alone (dropping
@@ -73,14 +89,7 @@ class WeightArena:
         n = data.nbytes
         if n < MIN_BYTES or not data.flags.c_contiguous:
             return data
-        if n > CHUNK:
-            dst = self._alloc(n)[:n]
-        else:
-            if self._cur is None or self._used + n > self._cur.size:
-                self._cur, self._used = self._alloc(CHUNK), 0
-            dst = self._cur[self._used:self._used + n]
-            self._used += (n + 63) // 64 * 64
-        out = dst.view(data.dtype).reshape(data.shape)
+        out = self._take(n).view(data.dtype).reshape(data.shape)
         # in slices, each slice's source pages dropped right after it is copied: the file's pages
         # and the copy are resident together for one slice, not for a whole (say 180 MiB) matrix
         src, flat = data.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)

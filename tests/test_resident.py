@@ -95,3 +95,45 @@ def test_a_step_from_another_thread_uses_the_models_thread_count(smollm2_path):
     th.start()
     th.join()
     assert seen == [1]
+
+
+def test_resident_q4_k_rows_are_packed_into_the_arena(gemma3_path, monkeypatch):
+    """With the arena (the default where huge pages exist) a mapped Q4_K matrix is packed by eight
+    (Matrix.pack) straight into it instead of copied as it is: the products read the packed copy
+    in huge-page memory, the QMatrix keeps the file's rows, and the logits are the mapped model's
+    and the unpacked kernels' bit for bit."""
+    from gguf import GGMLQuantizationType as T
+
+    from edgellm.kernels.cpu import Matrix
+
+    copied = edgellm.load(gemma3_path, n_ctx=64, use_mmap=False)
+    mapped = edgellm.load(gemma3_path, n_ctx=64, use_mmap=True)
+    cpu = copied.runtime.backends["cpu"]
+    arena = cpu.arena
+    chunks = [np.frombuffer(c, np.uint8) for c in arena._chunks]
+    mats = [w for L in copied.runtime.model.blocks for w in vars(L).values()
+            if hasattr(w, "ggml_type") and hasattr(w, "n_rows")]
+    q4k = [w for w in mats if w.ggml_type == T.Q4_K]
+    assert q4k and all(w.n_rows % 8 == 0 for w in q4k)
+    packed_bytes = 0
+    for w in q4k:
+        m = cpu._matrix(w)
+        assert m.packed is not None and m.weights is m.packed
+        assert m.packed.shape == (w.n_rows, w.data.shape[1] // 36 * 37)
+        assert any(np.shares_memory(m.packed, c) for c in chunks)  # in the arena
+        assert np.shares_memory(w.data, copied.gf._map)  # the QMatrix keeps the rows
+        packed_bytes += m.packed.nbytes
+    others = [w for w in mats if w.ggml_type != T.Q4_K and w.data.nbytes >= MIN_BYTES]
+    assert all(not np.shares_memory(w.data, copied.gf._map) for w in others)
+    head = copied.runtime.model.output
+    head_bytes = head.data.nbytes if not np.shares_memory(head.data, copied.gf._map) else 0
+    assert arena.nbytes == packed_bytes + sum(w.data.nbytes for w in others) + head_bytes
+    logits = copied.logits(TOKENS)
+    np.testing.assert_array_equal(logits, mapped.logits(TOKENS))
+    np.testing.assert_array_equal(copied.eval([TOKENS[0]]), mapped.eval([TOKENS[0]]))
+    monkeypatch.setattr(Matrix, "pack", lambda self, alloc=None: False)
+    plain = edgellm.load(gemma3_path, n_ctx=64, use_mmap=False)
+    assert all(plain.runtime.backends["cpu"]._matrix(w).packed is None
+               for L in plain.runtime.model.blocks for w in vars(L).values()
+               if getattr(w, "ggml_type", None) == T.Q4_K)
+    np.testing.assert_array_equal(plain.logits(TOKENS), logits)

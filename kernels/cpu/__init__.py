@@ -400,16 +400,18 @@ class Matrix:
         self._scratch = None  # the Activation of matvec(x), reused call after call
         self._mins = None  # Q4_1 / Q5_1 block mins, for matmul's Q8_1 sum correction
 
-    def pack(self) -> bool:
+    def pack(self, alloc=None) -> bool:
         """Q4_K with a multiple of 8 rows: the rows packed by eight (kquants.pack8_q4_k, a copy 37/36
         of raw's size, as llama.cpp repacks Q4_K at load), which matvec and matmul then read instead
         of raw: the same results bit for bit, each row a lane of the kernels' vectors (decode from
-        the cache ~1.3-1.8x on an AVX2 core). True when packed; raw is not read by products after."""
+        the cache ~1.3-1.8x on an AVX2 core). alloc(shape) gives the uint8 array to pack into
+        (default: a new NumPy array). True when packed; raw is not read by products after."""
         if self.packed is None:
             if self.ggml_type != GGMLType.Q4_K or self.n_rows == 0 or self.n_rows % 8:
                 return False
             kq = _import("kquants")
-            self.packed = self.weights = kq.pack8_q4_k(self.raw)
+            shape = (self.n_rows, self.raw.shape[1] // 36 * 37)
+            self.packed = self.weights = kq.pack8_q4_k(self.raw, None if alloc is None else alloc(shape))
             self._mv, self._mm = kq.matvec_q4_k8, kq.matmul_q4_k8
         return True
 

@@ -271,19 +271,37 @@ class CPUBackend(NumpyBackend):
         unless it is also the head. Kernel bindings are made again on first use."""
         if self.arena is None:
             return
-        for L, b in zip(model.blocks, model.layer_backends):
-            if b is self:
-                for name, w in list(vars(L).items()):
-                    if isinstance(w, QMatrix):
-                        setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
-        if model.output_backend is self and isinstance(model.output, QMatrix):
-            head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
-            if model.output is model.token_embd:
-                model.token_embd = head
-            model.output = head
         self._bound.clear()
         self._fused.clear()
         self._stacks.clear()
+        for L, b in zip(model.blocks, model.layer_backends):
+            if b is self:
+                for name, w in list(vars(L).items()):
+                    if isinstance(w, QMatrix) and not self._pack_into_arena(w):
+                        setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
+        if model.output_backend is self and isinstance(model.output, QMatrix):
+            if not self._pack_into_arena(model.output):
+                head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
+                if model.output is model.token_embd:
+                    model.token_embd = head
+                model.output = head
+
+    def _pack_into_arena(self, w: QMatrix) -> bool:
+        """A mapped Q4_K matrix packed by eight (Matrix.pack) straight into the arena, the copy the
+        products read; w keeps the mapping (its pages dropped), so the packed copy is the only one
+        resident. False (nothing done) for any other matrix."""
+        if w.ggml_type != GGMLType.Q4_K or w.data.flags.writeable or w.n_rows % 8:
+            return False
+        from edgellm.resident import drop_pages
+        from edgellm.validate import check_matrix_bytes
+
+        check_matrix_bytes(w)
+        m = self.kernels.bind(w.ggml_type, w.data, w.n_cols)
+        if not m.pack(self.arena.empty):
+            return False
+        drop_pages(w.data)
+        self._bound[id(w)] = (w, m)
+        return True
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product): its
