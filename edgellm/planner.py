@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+from gguf import GGMLQuantizationType
+
 from edgellm.errors import InvalidArgumentError, PlanError
 from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes_per_token, layer_window, pool_blocks
 from edgellm.memory import MiB, Budgets, format_size
@@ -73,15 +75,20 @@ class WeightSizes:
     tied_output: bool
     n_params: int  # elements of all tensors, for bits per weight
     other: int = 0  # any other tensor (e.g. llama 3's rope_freqs), kept on the CPU
+    # bytes a block / the head takes on the CPU beyond its file size: Q4_K matrices with a multiple
+    # of 8 rows are packed by eight there (kernels/cpu Matrix.pack), 37 bytes for every 36
+    cpu_extra: tuple[int, ...] = ()
+    head_cpu_extra: int = 0
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Any], n_layer: int) -> "WeightSizes":
         """From a GGUFFile's tensor table (name -> TensorInfo with .nbytes and .n_elements)."""
-        blocks, other = [0] * n_layer, 0
+        blocks, other, extra = [0] * n_layer, 0, [0] * n_layer
         for name, t in tensors.items():
             parts = name.split(".")
             if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layer:
                 blocks[int(parts[1])] += t.nbytes
+                extra[int(parts[1])] += cpu_packed_extra(t)
             elif name not in ("token_embd.weight", "output.weight", "output_norm.weight"):
                 other += t.nbytes
         tied = "output.weight" not in tensors
@@ -94,6 +101,8 @@ class WeightSizes:
             tied_output=tied,
             n_params=sum(t.n_elements for t in tensors.values()),
             other=other,
+            cpu_extra=tuple(extra),
+            head_cpu_extra=cpu_packed_extra(tensors["token_embd.weight" if tied else "output.weight"]),
         )
 
     @property
@@ -113,7 +122,17 @@ class WeightSizes:
             blocks=tuple(int(b * factor) for b in self.blocks),
             token_embd=int(self.token_embd * factor),
             head=int(self.head * factor),
+            cpu_extra=(), head_cpu_extra=0,  # the packing is Q4_K's: not known for another type
         )
+
+
+def cpu_packed_extra(t) -> int:
+    """Bytes a tensor takes on the CPU beyond its file size: a Q4_K matrix with a multiple of 8 rows
+    is packed by eight (37 / 36 of its bytes, the mapping's pages given back), others 0."""
+    qtype = getattr(t, "qtype", None)
+    if getattr(qtype, "ggml_type", None) != GGMLQuantizationType.Q4_K or getattr(t, "n_rows", 1) % 8:
+        return 0
+    return t.nbytes // 36
 
 
 @dataclass(frozen=True)
@@ -322,12 +341,14 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
     dev_ctx = {"cpu": 0, "gpu": 0}  # longest KV a block on the device attends to
     for il in range(n_layer):
         dev = "gpu" if il >= first_gpu else "cpu"
-        dev_weights[dev] += sizes.blocks[il]
+        dev_weights[dev] += sizes.blocks[il] + (sizes.cpu_extra[il] if dev == "cpu" and sizes.cpu_extra else 0)
         dev_kv[dev] += kv_cache_bytes(config, il, shape)
         dev_ctx[dev] = max(dev_ctx[dev], layer_n_ctx(config, il, shape))
     # the head: on the CPU a tied head is token_embd itself, already counted
     head = sizes.head if (output_device == "gpu" or not sizes.tied_output) else 0
     dev_weights[output_device] += head + sizes.output_norm
+    if output_device == "cpu":
+        dev_weights["cpu"] += sizes.head_cpu_extra
 
     gpu_used = n_gpu > 0 or output_device == "gpu"
     result = []

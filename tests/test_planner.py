@@ -127,7 +127,14 @@ def test_explicit_layers_put_the_head_and_last_blocks_on_the_gpu(sparse_models):
     assert p.layers == ("cpu",) * 22 + ("gpu",) * 10 and p.output_device == "gpu"
     assert p.layer_map() == "blocks 0-21 cpu, 22-31 gpu, output gpu"
     assert p.gpu.weights == sum(sizes.blocks[22:]) + sizes.head + sizes.output_norm
-    assert p.cpu.weights == sum(sizes.blocks[:22]) + sizes.token_embd
+    # the CPU's Q4_K matrices (rows a multiple of 8) are packed by eight there: 37 bytes per 36
+    q4k = [t for n, t in sparse_models["7b", "Q4_K"].tensors.items()
+           if n.startswith("blk.") and int(n.split(".")[1]) < 22 and t.qtype.ggml_type == GGMLType.Q4_K]
+    assert q4k and sum(sizes.cpu_extra[:22]) == sum(t.nbytes // 36 for t in q4k)
+    assert p.cpu.weights == sum(sizes.blocks[:22]) + sum(sizes.cpu_extra[:22]) + sizes.token_embd
+    on_cpu = plan(cfg, sizes, n_ctx=2048, gpu_layers=0, budgets=budgets)  # the Q4_K head is packed too
+    assert on_cpu.cpu.weights == p.cpu.weights + sum(sizes.blocks[22:]) + sum(sizes.cpu_extra[22:]) + (
+        sizes.head + sizes.head_cpu_extra + sizes.output_norm)
     assert p.gpu.kv_cache == 10 * 2 * 4096 * 2048 * 2
     q8 = plan(cfg, sizes, n_ctx=2048, gpu_layers=10, kv_type="q8_0", budgets=budgets)  # 34 bytes per 32 values
     assert (q8.gpu.kv_cache, q8.cpu.kv_cache) == (10 * 2 * 4096 * 2048 * 34 // 32, 22 * 2 * 4096 * 2048 * 34 // 32)

@@ -286,6 +286,10 @@ class CPUBackend(NumpyBackend):
                     model.token_embd = head
                 model.output = head
 
+    def packed_extra_bytes(self) -> int:
+        """Bytes the bound matrices packed by eight (Matrix.pack) hold beyond their file rows."""
+        return sum(m.packed.nbytes - m.raw.nbytes for _, m in self._bound.values() if m.packed is not None)
+
     def _pack_into_arena(self, w: QMatrix) -> bool:
         """A mapped Q4_K matrix packed by eight (Matrix.pack) straight into the arena, the copy the
         products read; w keeps the mapping (its pages dropped), so the packed copy is the only one
