@@ -30,8 +30,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import REGS32, VNNI, _fn, _i8, _i16, _i32, _splat
-from edgellm.kernels.cpu.rowdot import (_V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _ptr, _quad_sums,
-                                        _reduce8, const)
+from edgellm.kernels.cpu.rowdot import (_V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _prefetch, _ptr,
+                                        _quad_sums, _reduce8, const)
 from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
 
 _I32 = ir.IntType(32)
@@ -44,16 +44,6 @@ def _halves8(builder, wp, offs):
         h = builder.load(builder.bitcast(builder.gep(wp, [o]), ir.IntType(16).as_pointer()), align=1)
         v = builder.insert_element(v, h, ir.Constant(_I32, r))
     return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _V8F)
-
-
-def _prefetch(builder, wp, o, n):
-    """Prefetch bytes [o, o + n + 64) of wp: the next group of rows, read linearly while this group
-    is summed (eight interleaved short row streams defeat the hardware's stream detection; one
-    linear stream ahead of them does not)."""
-    fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
-    for k in range(0, n + 1, 64):
-        builder.call(fn, [builder.gep(wp, [builder.add(o, const(k))]), ir.Constant(_I32, 0),
-                          ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
 
 
 def _store8(builder, op, off, v):
