@@ -319,8 +319,9 @@ class CPUBackend(NumpyBackend):
             check_matrix_bytes(w)
             m = self.kernels.bind(w.ggml_type, w.data, w.n_cols)
             # Q4_K rows packed by eight (Matrix.pack) when the weights are a read-only file
-            # mapping: the mapping's pages are dropped after, so the copy replaces them in memory
-            # (in-memory weights, --no-mmap or the resident arena, stay as they are: no second copy)
+            # mapping: the mapping's pages are dropped after, so the copy replaces them in memory.
+            # With an arena, make_resident packs into it after the warm-up (_pack_into_arena);
+            # writable in-memory weights stay as they are (no second copy)
             if self.arena is None and not w.data.flags.writeable and m.pack():
                 from edgellm.resident import drop_pages
 
