@@ -268,7 +268,8 @@ class CPUBackend(NumpyBackend):
         """With an arena: the matrices of the model's layers on this backend, and its output head
         when it runs here, copied into it (after Runtime's warm-up, so the compiler's pages are
         gone before the weights' arrive). The embedding table stays mapped (a row read a token)
-        unless it is also the head. Kernel bindings are made again on first use."""
+        unless it is also the head. A mapped Q4_K matrix is not copied but packed by eight into the
+        arena (_pack_into_arena) and bound then; other bindings are made again on first use."""
         if self.arena is None:
             return
         self._bound.clear()
