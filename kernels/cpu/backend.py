@@ -269,19 +269,23 @@ class CPUBackend(NumpyBackend):
         when it runs here, copied into it (after Runtime's warm-up, so the compiler's pages are
         gone before the weights' arrive). The embedding table stays mapped (a row read a token)
         unless it is also the head. A mapped Q4_K matrix is not copied but packed by eight into the
-        arena (_pack_into_arena) and bound then; other bindings are made again on first use."""
+        arena (at its first product, _matrix, for the warm-up's layers; here, _pack_into_arena, for
+        the rest) and stays bound; other bindings are made again on first use."""
         if self.arena is None:
             return
+        # the warm-up's layers' Q4_K matrices are packed into the arena already (_matrix)
+        packed = {k: v for k, v in self._bound.items() if v[1].packed is not None}
         self._bound.clear()
+        self._bound.update(packed)
         self._fused.clear()
         self._stacks.clear()
         for L, b in zip(model.blocks, model.layer_backends):
             if b is self:
                 for name, w in list(vars(L).items()):
-                    if isinstance(w, QMatrix) and not self._pack_into_arena(w):
+                    if isinstance(w, QMatrix) and id(w) not in self._bound and not self._pack_into_arena(w):
                         setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
         if model.output_backend is self and isinstance(model.output, QMatrix):
-            if not self._pack_into_arena(model.output):
+            if id(model.output) not in self._bound and not self._pack_into_arena(model.output):
                 head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
                 if model.output is model.token_embd:
                     model.token_embd = head
@@ -320,10 +324,11 @@ class CPUBackend(NumpyBackend):
             check_matrix_bytes(w)
             m = self.kernels.bind(w.ggml_type, w.data, w.n_cols)
             # Q4_K rows packed by eight (Matrix.pack) when the weights are a read-only file
-            # mapping: the mapping's pages are dropped after, so the copy replaces them in memory.
-            # With an arena, make_resident packs into it after the warm-up (_pack_into_arena);
-            # writable in-memory weights stay as they are (no second copy)
-            if self.arena is None and not w.data.flags.writeable and m.pack():
+            # mapping: the mapping's pages are dropped after, so the copy replaces them in memory
+            # (with an arena the copy is made there: the warm-up's layers here, so it runs the
+            # packed kernels, the rest in make_resident); writable in-memory weights stay as they
+            # are (no second copy)
+            if not w.data.flags.writeable and m.pack(None if self.arena is None else self.arena.empty):
                 from edgellm.resident import drop_pages
 
                 drop_pages(w.data)
