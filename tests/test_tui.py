@@ -374,10 +374,13 @@ def test_settings_screen_edits_what_the_next_answer_uses():
 
 
 def test_loader_runs_in_a_worker_behind_a_loading_screen():
+    import threading
+
     loaded = FakeModel(delay_s=0.01)
+    release = threading.Event()  # the load finishes when the test has seen the loading screen
 
     def slow_loader():
-        time.sleep(0.5)
+        release.wait(30)
         return loaded
 
     async def scenario():
@@ -385,6 +388,7 @@ def test_loader_runs_in_a_worker_behind_a_loading_screen():
         async with app.run_test(size=(80, 24)) as pilot:
             await pilot.pause(0.1)
             assert type(app.screen).__name__ == "LoadingScreen"
+            release.set()
             await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.is_mounted,
                            what="the chat screen")
             assert app.model is loaded
