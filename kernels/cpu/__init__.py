@@ -410,8 +410,8 @@ class Matrix:
             if self.ggml_type != GGMLType.Q4_K or self.n_rows == 0 or self.n_rows % 8:
                 return False
             kq = _import("kquants")
-            shape = (self.n_rows, self.raw.shape[1] // 36 * 37)
-            self.packed = self.weights = kq.pack8_q4_k(self.raw, None if alloc is None else alloc(shape))
+            out = None if alloc is None else alloc(kq.pack8_shape(self.raw.shape))
+            self.packed = self.weights = kq.pack8_q4_k(self.raw, out)
             self._mv, self._mm = kq.matvec_q4_k8, kq.matmul_q4_k8
         return True
 

@@ -269,8 +269,8 @@ class CPUBackend(NumpyBackend):
         when it runs here, copied into it (after Runtime's warm-up, so the compiler's pages are
         gone before the weights' arrive). The embedding table stays mapped (a row read a token)
         unless it is also the head. A mapped Q4_K matrix is not copied but packed by eight into the
-        arena (at its first product, _matrix, for the warm-up's layers; here, _pack_into_arena, for
-        the rest) and stays bound; other bindings are made again on first use."""
+        arena (by _matrix: at its first product for the warm-up's layers, here for the rest) and
+        stays bound; other bindings are made again on first use."""
         if self.arena is None:
             return
         # the warm-up's layers' Q4_K matrices are packed into the arena already (_matrix)
@@ -282,10 +282,10 @@ class CPUBackend(NumpyBackend):
         for L, b in zip(model.blocks, model.layer_backends):
             if b is self:
                 for name, w in list(vars(L).items()):
-                    if isinstance(w, QMatrix) and id(w) not in self._bound and not self._pack_into_arena(w):
+                    if isinstance(w, QMatrix) and not self._packed(w):
                         setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
         if model.output_backend is self and isinstance(model.output, QMatrix):
-            if id(model.output) not in self._bound and not self._pack_into_arena(model.output):
+            if not self._packed(model.output):
                 head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
                 if model.output is model.token_embd:
                     model.token_embd = head
@@ -295,22 +295,11 @@ class CPUBackend(NumpyBackend):
         """Bytes the bound matrices packed by eight (Matrix.pack) hold beyond their file rows."""
         return sum(m.packed.nbytes - m.raw.nbytes for _, m in self._bound.values() if m.packed is not None)
 
-    def _pack_into_arena(self, w: QMatrix) -> bool:
-        """A mapped Q4_K matrix packed by eight (Matrix.pack) straight into the arena, the copy the
-        products read; w keeps the mapping (its pages dropped), so the packed copy is the only one
-        resident. False (nothing done) for any other matrix."""
-        if w.ggml_type != GGMLType.Q4_K or w.data.flags.writeable or w.n_rows % 8:
-            return False
-        from edgellm.resident import drop_pages
-        from edgellm.validate import check_matrix_bytes
-
-        check_matrix_bytes(w)
-        m = self.kernels.bind(w.ggml_type, w.data, w.n_cols)
-        if not m.pack(self.arena.empty):
-            return False
-        drop_pages(w.data)
-        self._bound[id(w)] = (w, m)
-        return True
+    def _packed(self, w: QMatrix) -> bool:
+        """w bound (_matrix, which packs a mapped Q4_K matrix with rows by eight into the arena):
+        True when its products read a packed copy, so it need not be copied as it is."""
+        return (w.ggml_type == GGMLType.Q4_K and not w.data.flags.writeable and w.n_rows % 8 == 0
+                and self._matrix(w).packed is not None)
 
     def _matrix(self, w: QMatrix):
         """w bound to its kernels once (checks and kernel lookup paid at the first product): its

@@ -250,13 +250,18 @@ def _pack8(raw, r0, out, o0, nb):
                 out[o + U(_P_MN) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
 
 
+def pack8_shape(shape) -> tuple:
+    """The packed array's shape for Q4_K rows of `shape` (n_rows, row bytes): 37 / 36 of the bytes."""
+    return (shape[0], shape[1] // Q4_K_BYTES * (Q4_K8_SB // 8))
+
+
 def pack8_q4_k(raw, out=None):
     """A Q4_K matrix (n_rows a multiple of 8) packed by eight rows for rows8.il8_q4_k /
     il8x4_q4_k: uint8 (n_rows, row_bytes * 37 / 36), group g (rows 8g .. 8g + 7) from row 8g's
     start on, so row offsets (r * row bytes, r a multiple of 8) mean what they mean for the
     rows (the unpacked 6-bit scales and mins: 32 bytes more per eight rows' super-block). Written
     into `out` when given (uint8 of that shape: CPUBackend's huge-page arena), else a new array."""
-    shape = (raw.shape[0], raw.shape[1] // Q4_K_BYTES * (Q4_K8_SB // 8))
+    shape = pack8_shape(raw.shape)
     if out is None:
         out = np.empty(shape, np.uint8)
     elif out.shape != shape or out.dtype != np.uint8:
