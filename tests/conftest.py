@@ -21,5 +21,7 @@ def gemma3_path():
 def pytest_collection_modifyitems(items):
     """The memory-ledger tests run first. Later in a full session their SmolLM2 worker processes
     (fresh subprocesses, own kernel cache) peaked ~175 MiB higher than alone or early in a session,
-    in two clean-clone CI runs; cause not found yet (see the ledger test). Other tests keep their order."""
+    in two clean-clone CI runs. Likely the same cause as the CI failure the ledger test's phases fixed
+    (the compiler library's pages resident at the warm-up's peak, counted against the end's; more of
+    them in a page cache that holds all of libllvmlite), not re-checked. Other tests keep their order."""
     items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/test_ledger.py") else 1)
