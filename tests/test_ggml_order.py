@@ -237,12 +237,16 @@ def _attention_reference(qh, keys, values, visible, dtype, n_acc, scale=np.float
 
 @pytest.mark.parametrize("n_head, n_kv, hd, n_seq, window", [
     (9, 3, 64, 1, 0), (9, 3, 64, 2, 0), (9, 3, 64, 8, 0), (4, 1, 256, 1, 0), (4, 1, 256, 4, 24),
-    (32, 8, 64, 1, 0), (32, 8, 64, 3, 0), (8, 2, 64, 5, 16)])
+    (32, 8, 64, 1, 0), (32, 8, 64, 3, 0), (8, 2, 64, 5, 16), (12, 2, 128, 1, 0), (24, 8, 128, 2, 0),
+    (16, 2, 64, 1, 12), (32, 4, 64, 1, 0)])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, hd, n_seq, window, dtype):
+@pytest.mark.parametrize("kernel", ["attend_ggml", "attend_decode"])
+def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, hd, n_seq, window, dtype, kernel):
     """Decode attention (vec_dot_f16's four accumulators) for n sequences at once, each token over
     its own keys scattered over a shared pool of slots: every head of every token equals the NumPy
-    reference bit for bit."""
+    reference bit for bit, for attend_ggml (head by head) and attend_decode (the heads of a KV
+    head together: 3, 4, 6, 8 of them, in passes of ops.DECODE_HEADS; split when there are few
+    KV heads)."""
     from edgellm.kernels.cpu import ops
 
     n_slots = 64 * n_seq + 16
@@ -266,7 +270,10 @@ def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, 
     out = np.full((n_seq, n_head * hd), np.nan, np.float32)
     k_arg = kc.view(np.uint16) if dtype == np.float16 else kc
     v_arg = vc.view(np.uint16) if dtype == np.float16 else vc
-    ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), 4, out, zero)
+    if kernel == "attend_ggml":
+        ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), 4, out, zero)
+    else:
+        ops.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), out, zero)
     g = n_head // n_kv
     for t in range(n_seq):
         mine = kmap[kbeg[t]:kend[t]]
@@ -274,6 +281,35 @@ def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, 
         for h in range(n_head):
             expect = _attention_reference(q[t, h], kc[mine, h // g], vc[mine, h // g], visible, dtype, 4)
             np.testing.assert_array_equal(out[t, h * hd:(h + 1) * hd], expect, err_msg=f"token {t} head {h}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_decode_attention_with_heads_whose_probabilities_underflow(dtype):
+    """One head of each KV head with a query 300x larger: most of its probabilities are exactly 0
+    while its neighbours' are not, so attend_decode's value sum takes its per-head path for those
+    keys; every output equals attend_ggml's (head by head, checked against NumPy above) bit for bit,
+    and the peaked heads did have zero probabilities to skip."""
+    from edgellm.kernels.cpu import ops
+
+    n_head, n_kv, hd, n_keys = 8, 2, 64, 300
+    kc = RNG.standard_normal((n_keys, n_kv, hd)).astype(dtype)
+    vc = RNG.standard_normal((n_keys, n_kv, hd)).astype(dtype)
+    kpos = np.arange(n_keys, dtype=np.int32)
+    kmap = np.arange(n_keys, dtype=np.int64)
+    kbeg, kend = np.array([0], np.int64), np.array([n_keys], np.int64)
+    pos = np.array([n_keys - 1], np.int32)
+    q = RNG.standard_normal((1, n_head, hd)).astype(np.float32)
+    q[0, ::4] *= 300
+    zero = np.float16(0).view(np.uint16) if dtype == np.float16 else np.float32(0)
+    k_arg = kc.view(np.uint16) if dtype == np.float16 else kc
+    v_arg = vc.view(np.uint16) if dtype == np.float16 else vc
+    expect = np.full((1, n_head * hd), np.nan, np.float32)
+    got = expect.copy()
+    ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), 4, expect, zero)
+    ops.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), got, zero)
+    np.testing.assert_array_equal(got, expect)
+    scores = np.einsum("d,kd->k", q[0, 0], kc[:, 0].astype(np.float32)) * 0.125
+    assert (scores.max() - scores > 110).sum() > n_keys // 2  # exp of these is 0 in float32
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])

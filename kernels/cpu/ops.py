@@ -27,8 +27,10 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from edgellm.kernels.cpu.common import U, exp_shifted, expf_ggml, fma32, silu_mul_v8  # noqa: E402
-from edgellm.kernels.cpu.rowdot import axpy_f16, dot4_heads1, dot4_heads2, dot4_heads3, dot_f16, pv_t  # noqa: E402
+from edgellm.kernels.cpu.common import REGS32, U, exp_shifted, expf_ggml, fma32, silu_mul_v8  # noqa: E402
+from edgellm.kernels.cpu.rowdot import (axpy_f16, axpy_heads1, axpy_heads2, axpy_heads3, axpy_heads4,  # noqa: E402
+                                        dot4_heads1, dot4_heads2, dot4_heads3, dot_f16, dot_heads1, dot_heads2,
+                                        dot_heads3, dot_heads4, pv_t)
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -359,12 +361,152 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
 
 
+# heads of one KV head a decode kernel pass takes together: 4 x 4 accumulators of 8 floats fit in
+# 32 vector registers, 2 x 4 in 16
+DECODE_HEADS = 4 if REGS32 else 2
+
+
+@njit(inline="always")
+def _dot_pass(kf, base, qr, q_off, uhd, sv, n):
+    if n == 4:
+        dot_heads4(kf, base, qr, q_off, uhd, uhd, sv)
+    elif n == 3:
+        dot_heads3(kf, base, qr, q_off, uhd, uhd, sv)
+    elif n == 2:
+        dot_heads2(kf, base, qr, q_off, uhd, uhd, sv)
+    else:
+        dot_heads1(kf, base, qr, q_off, uhd, uhd, sv)
+
+
+@njit(inline="always")
+def _axpy_pass(vf, base, pj, accv, off, stride, uhdv, n):
+    if n == 4:
+        axpy_heads4(vf, base, pj, accv, off, stride, uhdv)
+    elif n == 3:
+        axpy_heads3(vf, base, pj, accv, off, stride, uhdv)
+    elif n == 2:
+        axpy_heads2(vf, base, pj, accv, off, stride, uhdv)
+    else:
+        axpy_heads1(vf, base, pj, accv, off, stride, uhdv)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+    """attend_ggml with n_acc = 4 (decode tokens: vec_dot_f16's order), the same bits, with the
+    heads that share a KV head taken together: each key's and value's row is read and converted
+    once for them (attend_ggml reads it once per head, in another thread's chunk: at 2048 keys a
+    layer's cache is 4 MiB, larger than a core's L2, so it came from L3 or memory once per head).
+    A work item is a token's KV head (all its heads), or part of its heads when that leaves fewer
+    than 4 items; one head per item (Gemma-3 270M's 4 heads on one KV head) is attend_ggml's work.
+    hd a multiple of 32, hd_v of 8."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vc.shape[2]
+    g = n_head // n_kv
+    kf = kc.reshape(-1)
+    vf = vc.reshape(-1)
+    n_pad = 8
+    for t in range(n_tok):
+        n_pad = max(n_pad, (kend[t] - kbeg[t] + 7) // 8 * 8)
+    c = g  # heads per item: a divisor of g
+    while c > 1 and n_tok * n_kv * (g // c) < 4:
+        c -= 1
+        while g % c:
+            c -= 1
+    if c == 1:  # a head per item: attend_ggml's chunks of heads
+        attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
+        return
+    per = g // c
+    n_items = n_tok * n_kv * per
+    uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
+    n_lanes = U(32)  # vec_dot_f16's 4 accumulators of 8 lanes: key j's product goes to lane j % 32
+    span = n_lanes * uhdv  # one head's V accumulators
+    for it in prange(n_items):
+        t = it // (n_kv * per)
+        r = it - t * (n_kv * per)
+        kh = r // per
+        h0 = kh * g + (r - kh * per) * c
+        qr = np.empty(c * hd, F32)
+        s = np.empty(c * n_pad, F32)
+        m = np.empty(c, F32)
+        inv = np.empty(c, F32)
+        sv = np.empty(DECODE_HEADS, F32)
+        pj = np.empty(c, F32)
+        acc = np.empty(32, F32)
+        accv = np.zeros(c * span, F32)
+        p = pos[t]
+        k0 = kbeg[t]
+        used = kend[t] - k0
+        n_vis = (used + 7) // 8 * 8
+        for i in range(c):
+            for d in range(hd):
+                qr[i * hd + d] = _load(_store(q[t, h0 + i, d], z))
+            m[i] = NEG_INF
+        for j in range(used):
+            slot = kmap[k0 + j]
+            kp = kpos[slot]
+            if kp < 0 or kp > p or (window > 0 and p - kp >= window):
+                for i in range(c):
+                    s[i * n_pad + j] = NEG_INF
+                continue
+            base = (U(slot) * unkv + U(kh)) * uhd
+            i0 = 0
+            while i0 < c:
+                nq = min(c - i0, DECODE_HEADS)
+                _dot_pass(kf, base, qr, U(i0) * uhd, uhd, sv, nq)
+                for a in range(nq):
+                    v = sv[a] * scale
+                    s[(i0 + a) * n_pad + j] = v
+                    if v > m[i0 + a]:
+                        m[i0 + a] = v
+                i0 += nq
+        for i in range(c):
+            sb = i * n_pad
+            for j in range(used, n_vis):
+                s[sb + j] = NEG_INF
+            total = 0.0
+            mi = m[i]
+            for c8 in range(0, n_vis, 8):
+                for e8 in range(8):
+                    e = expf_ggml(s[sb + c8 + e8] - mi) if s[sb + c8 + e8] != NEG_INF else F32(0.0)
+                    acc[e8] = e
+                    s[sb + c8 + e8] = e
+                total += np.float64(_lanes_reduce(acc, 1))
+            inv[i] = F32(1.0 / total)
+        for j in range(used):
+            nz = 0
+            for i in range(c):
+                if s[i * n_pad + j] != F32(0.0):
+                    nz += 1
+            if nz == 0:
+                continue
+            vbase = (U(kmap[k0 + j]) * unkv + U(kh)) * uhdv
+            lane = (U(j) % n_lanes) * uhdv
+            if nz == c:  # every head: the row once for all of them
+                for i in range(c):
+                    pj[i] = _load(_store(s[i * n_pad + j] * inv[i], z))
+                i0 = 0
+                while i0 < c:
+                    nq = min(c - i0, DECODE_HEADS)
+                    _axpy_pass(vf, vbase, pj[i0:], accv, U(i0) * span + lane, span, uhdv, nq)
+                    i0 += nq
+            else:  # a probability that is 0 adds nothing (attend_ggml skips it too)
+                for i in range(c):
+                    e = s[i * n_pad + j]
+                    if e != F32(0.0):
+                        axpy_f16(vf, vbase, _load(_store(e * inv[i], z)), accv, U(i) * span + lane, uhdv)
+        for i in range(c):
+            ob = U(h0 + i) * uhdv
+            for d in range(uhdv):
+                for li in range(n_lanes):
+                    acc[li] = accv[U(i) * span + li * uhdv + d]
+                out[t, ob + d] = _lanes_reduce(acc, 4)
+
+
 @njit(cache=True, nogil=True)
 def attend_ggml_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
-    """attend_ggml for decode tokens (n_acc = 4) with n_acc a compile-time constant, as the fused
-    decode step calls it: one compiled attention for both (the constant also prunes the other
-    order's branches)."""
-    attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
+    """attend_ggml for decode tokens (n_acc = 4), as the fused decode step calls it: attend_decode."""
+    attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
 
 
 @njit(inline="always")
