@@ -28,9 +28,9 @@ from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgellm.kernels.cpu.common import REGS32, U, exp_shifted, expf_ggml, fma32, silu_mul_v8  # noqa: E402
-from edgellm.kernels.cpu.rowdot import (axpy_f16, axpy_heads1, axpy_heads2, axpy_heads3, axpy_heads4,  # noqa: E402
-                                        dot4_heads1, dot4_heads2, dot4_heads3, dot_f16, dot_heads1, dot_heads2,
-                                        dot_heads3, dot_heads4, pv_t)
+from edgellm.kernels.cpu.rowdot import (axpy_f16, dot4_heads1, dot4_heads2, dot4_heads3, dot_f16,  # noqa: E402
+                                        pv_heads1, pv_heads2, pv_heads3, pv_heads4, pv_t, scores_heads1,
+                                        scores_heads2, scores_heads3, scores_heads4)
 
 numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
 
@@ -367,27 +367,27 @@ DECODE_HEADS = 4 if REGS32 else 2
 
 
 @njit(inline="always")
-def _dot_pass(kf, base, qr, q_off, uhd, sv, n):
+def _scores_pass(kf, kmap, k0, used, k_off, row_stride, qr, q_off, uhd, s, s_off, n_pad, scale, n):
     if n == 4:
-        dot_heads4(kf, base, qr, q_off, uhd, uhd, sv)
+        scores_heads4(kf, kmap, k0, used, k_off, row_stride, qr, q_off, uhd, uhd, s, s_off, n_pad, scale)
     elif n == 3:
-        dot_heads3(kf, base, qr, q_off, uhd, uhd, sv)
+        scores_heads3(kf, kmap, k0, used, k_off, row_stride, qr, q_off, uhd, uhd, s, s_off, n_pad, scale)
     elif n == 2:
-        dot_heads2(kf, base, qr, q_off, uhd, uhd, sv)
+        scores_heads2(kf, kmap, k0, used, k_off, row_stride, qr, q_off, uhd, uhd, s, s_off, n_pad, scale)
     else:
-        dot_heads1(kf, base, qr, q_off, uhd, uhd, sv)
+        scores_heads1(kf, kmap, k0, used, k_off, row_stride, qr, q_off, uhd, uhd, s, s_off, n_pad, scale)
 
 
 @njit(inline="always")
-def _axpy_pass(vf, base, pj, accv, off, stride, uhdv, n):
+def _pv_pass(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv, n):
     if n == 4:
-        axpy_heads4(vf, base, pj, accv, off, stride, uhdv)
+        pv_heads4(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv)
     elif n == 3:
-        axpy_heads3(vf, base, pj, accv, off, stride, uhdv)
+        pv_heads3(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv)
     elif n == 2:
-        axpy_heads2(vf, base, pj, accv, off, stride, uhdv)
+        pv_heads2(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv)
     else:
-        axpy_heads1(vf, base, pj, accv, off, stride, uhdv)
+        pv_heads1(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -430,8 +430,7 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
         s = np.empty(c * n_pad, F32)
         m = np.empty(c, F32)
         inv = np.empty(c, F32)
-        sv = np.empty(DECODE_HEADS, F32)
-        pj = np.empty(c, F32)
+        pp = np.empty(c * n_pad, F32)
         acc = np.empty(32, F32)
         accv = np.zeros(c * span, F32)
         p = pos[t]
@@ -442,24 +441,26 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
             for d in range(hd):
                 qr[i * hd + d] = _load(_store(q[t, h0 + i, d], z))
             m[i] = NEG_INF
+        # every key's scores (a masked key's too: its slot is in the cache), then the masks, then the
+        # maxima over the visible keys (the order of a max does not change it)
+        i0 = 0
+        while i0 < c:
+            nq = min(c - i0, DECODE_HEADS)
+            _scores_pass(kf, kmap, U(k0), U(used), U(kh) * uhd, unkv * uhd, qr, U(i0) * uhd, uhd, s,
+                         U(i0) * U(n_pad), U(n_pad), scale, nq)
+            i0 += nq
         for j in range(used):
-            slot = kmap[k0 + j]
-            kp = kpos[slot]
+            kp = kpos[kmap[k0 + j]]
             if kp < 0 or kp > p or (window > 0 and p - kp >= window):
                 for i in range(c):
                     s[i * n_pad + j] = NEG_INF
-                continue
-            base = (U(slot) * unkv + U(kh)) * uhd
-            i0 = 0
-            while i0 < c:
-                nq = min(c - i0, DECODE_HEADS)
-                _dot_pass(kf, base, qr, U(i0) * uhd, uhd, sv, nq)
-                for a in range(nq):
-                    v = sv[a] * scale
-                    s[(i0 + a) * n_pad + j] = v
-                    if v > m[i0 + a]:
-                        m[i0 + a] = v
-                i0 += nq
+        for i in range(c):
+            mi = NEG_INF
+            for j in range(used):
+                v = s[i * n_pad + j]
+                if v > mi:
+                    mi = v
+            m[i] = mi
         for i in range(c):
             sb = i * n_pad
             for j in range(used, n_vis):
@@ -473,28 +474,17 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
                     s[sb + c8 + e8] = e
                 total += np.float64(_lanes_reduce(acc, 1))
             inv[i] = F32(1.0 / total)
-        for j in range(used):
-            nz = 0
-            for i in range(c):
-                if s[i * n_pad + j] != F32(0.0):
-                    nz += 1
-            if nz == 0:
-                continue
-            vbase = (U(kmap[k0 + j]) * unkv + U(kh)) * uhdv
-            lane = (U(j) % n_lanes) * uhdv
-            if nz == c:  # every head: the row once for all of them
-                for i in range(c):
-                    pj[i] = _load(_store(s[i * n_pad + j] * inv[i], z))
-                i0 = 0
-                while i0 < c:
-                    nq = min(c - i0, DECODE_HEADS)
-                    _axpy_pass(vf, vbase, pj[i0:], accv, U(i0) * span + lane, span, uhdv, nq)
-                    i0 += nq
-            else:  # a probability that is 0 adds nothing (attend_ggml skips it too)
-                for i in range(c):
-                    e = s[i * n_pad + j]
-                    if e != F32(0.0):
-                        axpy_f16(vf, vbase, _load(_store(e * inv[i], z)), accv, U(i) * span + lane, uhdv)
+        # the probabilities rounded to the cache's type; the exps (s) say which are skipped
+        for i in range(c):
+            for j in range(used):
+                e = s[i * n_pad + j]
+                pp[i * n_pad + j] = _load(_store(e * inv[i], z)) if e != F32(0.0) else F32(0.0)
+        i0 = 0
+        while i0 < c:
+            nq = min(c - i0, DECODE_HEADS)
+            _pv_pass(vf, kmap, U(k0), U(used), U(kh) * uhdv, unkv * uhdv, s, pp, U(i0) * U(n_pad), U(n_pad), accv,
+                     U(i0) * span, span, uhdv, nq)
+            i0 += nq
         for i in range(c):
             ob = U(h0 + i) * uhdv
             for d in range(uhdv):

@@ -910,80 +910,117 @@ dot4_heads1, dot4_heads2, dot4_heads3 = (_dot4_heads(n) for n in (1, 2, 3))
 
 
 
-def _dot_heads(n_q):
-    """dot_f16 (n_acc 4: vec_dot_f16's order) of one key k[k_off ...] (float32, or float16 bits as
-    uint16) with n_q queries q[q_off + i q_stride ...] (float32; heads sharing a KV head) into
-    s[i], n a multiple of 32: the key's eight elements are loaded and converted once for all the
-    queries, each query's four accumulators and reduction are dot_f16's, so each score is its
-    bits."""
+def _scores_heads(n_q):
+    """Decode attention's scores of n_q heads sharing a KV head, all of a token's keys in one
+    loop: for j < used, key row k[kmap[k0 + j] row_stride + k_off ...] (float32 or float16 bits,
+    n elements, a multiple of 32) with queries q[q_off + i q_stride ...]:
+    s[s_off + i s_stride + j] = dot_f16(key, query i, n_acc 4) * scale (dot_f16's bits), with
+    the key loaded and converted once for the n_q heads."""
 
     @intrinsic
-    def dot_heads(typingctx, k, k_off, q, q_off, q_stride, n, s):
+    def scores_heads(typingctx, k, kmap, k0, used, k_off, row_stride, q, q_off, q_stride, n, s, s_off,
+                     s_stride, scale):
         half = k.dtype == types.uint16
-        sig = types.void(k, types.uint64, q, types.uint64, types.uint64, types.uint64, s)
+        sig = types.void(k, kmap, types.uint64, types.uint64, types.uint64, types.uint64, q, types.uint64,
+                         types.uint64, types.uint64, s, types.uint64, types.uint64, types.float32)
 
         def codegen(context, builder, signature, args):
-            k_, k_off_, q_, q_off_, q_stride_, n_, s_ = args
+            (k_, kmap_, k0_, used_, k_off_, row_stride_, q_, q_off_, q_stride_, n_, s_, s_off_, s_stride_,
+             scale_) = args
             kp = _ptr(context, builder, signature.args[0], k_)
-            qp = _ptr(context, builder, signature.args[2], q_)
-            sp = _ptr(context, builder, signature.args[6], s_)
+            mp = _ptr(context, builder, signature.args[1], kmap_)
+            qp = _ptr(context, builder, signature.args[6], q_)
+            sp = _ptr(context, builder, signature.args[10], s_)
             qoffs = [builder.add(q_off_, builder.mul(const(i), q_stride_)) for i in range(n_q)]
+            soffs = [builder.add(s_off_, builder.mul(const(i), s_stride_)) for i in range(n_q)]
             zero = ir.Constant(_V8F, [0.0] * 8)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(n_q)]
-            with cgutils.for_range(builder, builder.udiv(n_, const(32))) as loop:
-                o = builder.mul(loop.index, const(32))
-                for a in range(4):
-                    oa = builder.add(o, const(8 * a))
-                    kv = _load_v8f(builder, kp, builder.add(k_off_, oa), half)
-                    for i in range(n_q):
-                        qv = _load_vec(builder, qp, builder.add(qoffs[i], oa), _V8F)
-                        builder.store(_fma(builder, kv, qv, builder.load(accs[i][a])), accs[i][a])
-            for i in range(n_q):
-                vals = [builder.load(a) for a in accs[i]]
-                v = builder.fadd(builder.fadd(vals[0], vals[2]), builder.fadd(vals[1], vals[3]))
-                lane = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(8)]
-                t = [builder.fadd(lane[e], lane[e + 4]) for e in range(4)]
-                builder.store(builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3])),
-                              builder.gep(sp, [const(i)]))
+            with cgutils.for_range(builder, used_) as keys:
+                j = keys.index
+                slot = builder.load(builder.gep(mp, [builder.add(k0_, j)]))
+                base = builder.add(builder.mul(slot, row_stride_), k_off_)
+                accs = [[cgutils.alloca_once(builder, _V8F) for _ in range(4)] for _ in range(n_q)]
+                for row in accs:
+                    for a in row:
+                        builder.store(zero, a)
+                with cgutils.for_range(builder, builder.udiv(n_, const(32))) as loop:
+                    o = builder.mul(loop.index, const(32))
+                    for a in range(4):
+                        oa = builder.add(o, const(8 * a))
+                        kv = _load_v8f(builder, kp, builder.add(base, oa), half)
+                        for i in range(n_q):
+                            qv = _load_vec(builder, qp, builder.add(qoffs[i], oa), _V8F)
+                            builder.store(_fma(builder, kv, qv, builder.load(accs[i][a])), accs[i][a])
+                for i in range(n_q):
+                    vals = [builder.load(a) for a in accs[i]]
+                    v = builder.fadd(builder.fadd(vals[0], vals[2]), builder.fadd(vals[1], vals[3]))
+                    lane = [builder.extract_element(v, ir.Constant(ir.IntType(32), e)) for e in range(8)]
+                    t = [builder.fadd(lane[e], lane[e + 4]) for e in range(4)]
+                    d = builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+                    builder.store(builder.fmul(d, scale_), builder.gep(sp, [builder.add(soffs[i], j)]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return dot_heads
+    return scores_heads
 
 
-def _axpy_heads(n_q):
-    """axpy_f16 for n_q heads sharing a KV head: acc[acc_off + i acc_stride + d] =
-    fma(float(v[v_off + d]), p[i], that) for d < n (a multiple of 8), i < n_q; the value row is
-    loaded and converted once for all of them, each fma is axpy_f16's."""
+scores_heads1, scores_heads2, scores_heads3, scores_heads4 = (_scores_heads(n) for n in (1, 2, 3, 4))
+
+
+
+def _pv_heads(n_q):
+    """Decode attention's value sums of n_q heads sharing a KV head, all of a token's keys in one
+    loop, in vec_dot_f16's lanes: for j < used, the value row v[kmap[k0 + j] row_stride + v_off ...]
+    (float32 or float16 bits, n elements, a multiple of 8) is loaded and converted once, and for
+    each head i with e[p_off + i p_stride + j] != 0 (a key a head gives probability 0 adds nothing:
+    it is skipped) acc[acc_off + i acc_stride + (j % 32) n + d] = fma(v[d], p[that], itself):
+    axpy_f16's fma in key order, so its bits."""
 
     @intrinsic
-    def axpy_heads(typingctx, v, v_off, p, acc, acc_off, acc_stride, n):
+    def pv_heads(typingctx, v, kmap, k0, used, v_off, row_stride, e, p, p_off, p_stride, acc, acc_off,
+                 acc_stride, n):
         half = v.dtype == types.uint16
-        sig = types.void(v, types.uint64, p, acc, types.uint64, types.uint64, types.uint64)
+        sig = types.void(v, kmap, types.uint64, types.uint64, types.uint64, types.uint64, e, p, types.uint64,
+                         types.uint64, acc, types.uint64, types.uint64, types.uint64)
 
         def codegen(context, builder, signature, args):
-            v_, v_off_, p_, acc_, acc_off_, acc_stride_, n_ = args
+            (v_, kmap_, k0_, used_, v_off_, row_stride_, e_, p_, p_off_, p_stride_, acc_, acc_off_, acc_stride_,
+             n_) = args
             vp = _ptr(context, builder, signature.args[0], v_)
-            pp = _ptr(context, builder, signature.args[2], p_)
-            ap = _ptr(context, builder, signature.args[3], acc_)
-            pvs = [_splat(builder, builder.load(builder.gep(pp, [const(i)])), _V8F) for i in range(n_q)]
-            aoffs = [builder.add(acc_off_, builder.mul(const(i), acc_stride_)) for i in range(n_q)]
-            with cgutils.for_range(builder, builder.udiv(n_, const(8))) as loop:
-                o = builder.mul(loop.index, const(8))
-                vf = _load_v8f(builder, vp, builder.add(v_off_, o), half)
+            mp = _ptr(context, builder, signature.args[1], kmap_)
+            ep = _ptr(context, builder, signature.args[6], e_)
+            pp = _ptr(context, builder, signature.args[7], p_)
+            ap = _ptr(context, builder, signature.args[10], acc_)
+            poffs = [builder.add(p_off_, builder.mul(const(i), p_stride_)) for i in range(n_q)]
+            zero = ir.Constant(_F32, 0.0)
+            with cgutils.for_range(builder, used_) as keys:
+                j = keys.index
+                slot = builder.load(builder.gep(mp, [builder.add(k0_, j)]))
+                vb = builder.add(builder.mul(slot, row_stride_), v_off_)
+                row = builder.add(acc_off_, builder.mul(builder.urem(j, const(32)), n_))
+                keeps, pvs, rows = [], [], []
                 for i in range(n_q):
-                    aptr = builder.bitcast(builder.gep(ap, [builder.add(aoffs[i], o)]), _V8F.as_pointer())
-                    builder.store(_fma(builder, vf, pvs[i], builder.load(aptr, align=4)), aptr, align=4)
+                    at = builder.add(poffs[i], j)
+                    keeps.append(builder.fcmp_unordered("!=", builder.load(builder.gep(ep, [at])), zero))
+                    pvs.append(_splat(builder, builder.load(builder.gep(pp, [at])), _V8F))
+                    rows.append(builder.add(row, builder.mul(const(i), acc_stride_)))
+                with cgutils.for_range(builder, builder.udiv(n_, const(8))) as loop:
+                    o = builder.mul(loop.index, const(8))
+                    vf = _load_v8f(builder, vp, builder.add(vb, o), half)
+                    for i in range(n_q):
+                        aptr = builder.bitcast(builder.gep(ap, [builder.add(rows[i], o)]), _V8F.as_pointer())
+                        old = builder.load(aptr, align=4)
+                        builder.store(builder.select(keeps[i], _fma(builder, vf, pvs[i], old), old), aptr, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return axpy_heads
+    return pv_heads
 
 
-dot_heads1, dot_heads2, dot_heads3, dot_heads4 = (_dot_heads(n) for n in (1, 2, 3, 4))
-axpy_heads1, axpy_heads2, axpy_heads3, axpy_heads4 = (_axpy_heads(n) for n in (1, 2, 3, 4))
+pv_heads1, pv_heads2, pv_heads3, pv_heads4 = (_pv_heads(n) for n in (1, 2, 3, 4))
+
+
 
 
 @intrinsic
