@@ -909,7 +909,6 @@ def _dot4_heads(n_q):
 dot4_heads1, dot4_heads2, dot4_heads3 = (_dot4_heads(n) for n in (1, 2, 3))
 
 
-
 def _scores_heads(n_q):
     """Decode attention's scores of n_q heads sharing a KV head, all of a token's keys in one
     loop: for j < used, key row k[kmap[k0 + j] row_stride + k_off ...] (float32 or float16 bits,
@@ -967,7 +966,6 @@ def _scores_heads(n_q):
 scores_heads1, scores_heads2, scores_heads3, scores_heads4 = (_scores_heads(n) for n in (1, 2, 3, 4))
 
 
-
 def _pv_heads(n_q):
     """Decode attention's value sums of n_q heads sharing a KV head, all of a token's keys in one
     loop, in vec_dot_f16's lanes: for j < used, the value row v[kmap[k0 + j] row_stride + v_off ...]
@@ -1019,8 +1017,6 @@ def _pv_heads(n_q):
 
 
 pv_heads1, pv_heads2, pv_heads3, pv_heads4 = (_pv_heads(n) for n in (1, 2, 3, 4))
-
-
 
 
 @intrinsic
