@@ -265,6 +265,15 @@ def round_to_cache(q, cache, out):
 # softmax scales, masks, subtracts the max, takes ggml's vectorized exp and sums 8-lane chunks
 # into a float64 total. Following that order makes attention the same bits as llama.cpp's.
 @njit(inline="always")
+def _keys_padded(kbeg, kend, n_tok):
+    """The most keys any of the n_tok tokens attends to, rounded up to a multiple of 8 (at least 8)."""
+    n_pad = 8
+    for t in range(n_tok):
+        n_pad = max(n_pad, (kend[t] - kbeg[t] + 7) // 8 * 8)
+    return n_pad
+
+
+@njit(inline="always")
 def _lanes_reduce(acc, n_acc):
     """Sum of the n_acc x 8 lanes of acc in ggml's order (vec_dot_f16's reduce for 4
     accumulators; tinyBLAS's / hsum_float_8's for 1)."""
@@ -287,17 +296,16 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
     adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
     let the 8-lane loops vectorize. kc, vc: the cache (n_slots, n_kv, hd); token t attends to the
     keys in slots kmap[kbeg[t]:kend[t]] (in position order; key j of that list is the j-th term of
-    its sums); z: a value of the cache's element type, the type q and the probabilities are rounded to. Decode runs this (n_acc = 4); a batch runs
-    attend_batch, which gives what this gives with n_acc = 1, faster."""
+    its sums); z: a value of the cache's element type, the type q and the probabilities are rounded to.
+    Decode runs attend_decode, which gives what this gives with n_acc = 4, faster (and this, for a
+    single KV head); a batch runs attend_batch, which gives what this gives with n_acc = 1, faster."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
     hdv = vc.shape[2]
     g = n_head // n_kv
     kf = kc.reshape(-1)
     vf = vc.reshape(-1)
-    n_pad = 8
-    for t in range(n_tok):
-        n_pad = max(n_pad, (kend[t] - kbeg[t] + 7) // 8 * 8)
+    n_pad = _keys_padded(kbeg, kend, n_tok)
     uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
     lane_groups = U(n_acc)  # accumulators of 8 lanes: element i goes to group (i / 8) % n_acc
     n_lanes = lane_groups * U(8)
@@ -405,9 +413,7 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
     g = n_head // n_kv
     kf = kc.reshape(-1)
     vf = vc.reshape(-1)
-    n_pad = 8
-    for t in range(n_tok):
-        n_pad = max(n_pad, (kend[t] - kbeg[t] + 7) // 8 * 8)
+    n_pad = _keys_padded(kbeg, kend, n_tok)
     c = g  # heads per item: a divisor of g
     while c > 1 and n_tok * n_kv * (g // c) < 4:
         c -= 1
