@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from gguf import GGMLQuantizationType
-
 from edgellm.errors import InvalidArgumentError, PlanError
 from edgellm.kv_cache import BLOCK_SIZE, KV_TYPES, blocks_per_sequence, kv_bytes_per_token, layer_window, pool_blocks
 from edgellm.memory import MiB, Budgets, format_size
@@ -129,10 +127,10 @@ class WeightSizes:
 def cpu_packed_extra(t) -> int:
     """Bytes a tensor takes on the CPU beyond its file size: a Q4_K matrix with a multiple of 8 rows
     is packed by eight (37 / 36 of its bytes, the mapping's pages given back), others 0."""
+    from edgellm.kernels.cpu import packs_by_eight
+
     qtype = getattr(t, "qtype", None)
-    if getattr(qtype, "ggml_type", None) != GGMLQuantizationType.Q4_K or getattr(t, "n_rows", 1) % 8:
-        return 0
-    return t.nbytes // 36
+    return t.nbytes // 36 if packs_by_eight(getattr(qtype, "ggml_type", None), getattr(t, "n_rows", 0)) else 0
 
 
 @dataclass(frozen=True)

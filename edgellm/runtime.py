@@ -96,7 +96,7 @@ def run_warm_up_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
         w = model.output
         rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
         if not w.data.flags.writeable:
-            rows.pack()  # a mapped Q4_K head is packed by eight (CPUBackend._matrix): its kernels
+            rows.pack()  # a mapped Q4_K head is packed by eight (CPUBackend._matrix): load those kernels
         h = np.zeros((n, cfg.n_embd), np.float32)
         cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
         rows.matmul(h, np.empty((n, 8), np.float32))

@@ -372,6 +372,12 @@ def _floats(name: str, a, shape: tuple, writable: bool = False) -> np.ndarray:
 
 
 # --- bound matrices -------------------------------------------------------------------------
+def packs_by_eight(ggml_type, n_rows: int) -> bool:
+    """Whether a matrix of this type and row count is packed by eight rows on the CPU (Matrix.pack:
+    Q4_K with a multiple of 8 rows; the planner charges those copies)."""
+    return ggml_type == GGMLType.Q4_K and n_rows > 0 and n_rows % 8 == 0
+
+
 class Matrix:
     """A weight matrix checked once, with its compiled kernels: the per-call cost of products is
     a shape check and the kernel call. Build with `bind`."""
@@ -407,7 +413,7 @@ class Matrix:
         the cache ~1.3-1.8x on an AVX2 core). alloc(shape) gives the uint8 array to pack into
         (default: a new NumPy array). True when packed; raw is not read by products after."""
         if self.packed is None:
-            if self.ggml_type != GGMLType.Q4_K or self.n_rows == 0 or self.n_rows % 8:
+            if not packs_by_eight(self.ggml_type, self.n_rows):
                 return False
             kq = _import("kquants")
             out = None if alloc is None else alloc(kq.pack8_shape(self.raw.shape))

@@ -298,7 +298,7 @@ class CPUBackend(NumpyBackend):
     def _packed(self, w: QMatrix) -> bool:
         """w bound (_matrix, which packs a mapped Q4_K matrix with rows by eight into the arena):
         True when its products read a packed copy, so it need not be copied as it is."""
-        return (w.ggml_type == GGMLType.Q4_K and not w.data.flags.writeable and w.n_rows % 8 == 0
+        return (self.kernels.packs_by_eight(w.ggml_type, w.n_rows) and not w.data.flags.writeable
                 and self._matrix(w).packed is not None)
 
     def _matrix(self, w: QMatrix):

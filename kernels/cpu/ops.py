@@ -446,7 +446,6 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
         for i in range(c):
             for d in range(hd):
                 qr[i * hd + d] = _load(_store(q[t, h0 + i, d], z))
-            m[i] = NEG_INF
         # every key's scores (a masked key's too: its slot is in the cache), then the masks, then the
         # maxima over the visible keys (the order of a max does not change it)
         i0 = 0
