@@ -269,3 +269,27 @@ def test_bad_arguments_raise_clear_errors():
         cpu.dequantize(GGMLType.Q4_0, raw[:, ::2], np.zeros((4, 32), np.float32))
     with pytest.raises(UnsupportedTensorTypeError, match="IQ2_XXS"):
         cpu.matvec(GGMLType.IQ2_XXS, raw, np.zeros(64, np.float32), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("rows", [(2048, 512, 512), (4096, 1024, 1024), (896, 128, 128), (16, 16, 16)])
+def test_fused_qkv_runs_cover_every_chunk_once_and_split_the_bytes(n_threads, rows):
+    """decode_layers gives each thread one run of the q, k, v chunks: the runs cut at byte shares
+    (a Q6_K v row is 1.46 times a Q4_K k row) must tile the chunks, no chunk twice or left out,
+    each run within a chunk's bytes of its share."""
+    from edgellm.kernels.cpu import fused
+
+    share, cut = fused._share.py_func, fused._qkv_cut.py_func
+    n_q, n_k, n_v = rows
+    cq, ck, cv = (-(-n // fused.CHUNK) for n in rows)
+    rq, rk, rv = 2304, 1152, 1680  # bytes a row: Q4_K wq of 4096 columns, Q4_K wk / Q6_K wv of 2048
+    n_bytes = cq * rq + ck * rk + cv * rv
+    cuts = [cut(share(th, n_threads, n_bytes), cq, rq, ck, rk, cv, rv) for th in range(n_threads + 1)]
+    assert cuts[0] == 0 and cuts[-1] == cq + ck + cv
+    assert cuts == sorted(cuts)
+    at = np.cumsum([0] + [rq] * cq + [rk] * ck + [rv] * cv)  # byte offset of each chunk
+    for th in range(n_threads):
+        assert abs(int(at[cuts[th + 1]] - at[cuts[th]]) - n_bytes / n_threads) <= 2 * max(rq, rk, rv)
+    runs = [share(th, n_threads, 100) for th in range(n_threads + 1)]
+    assert runs[0] == 0 and runs[-1] == 100 and all(b - a in (100 // n_threads, -(-100 // n_threads))
+                                                    for a, b in zip(runs, runs[1:]))

@@ -489,11 +489,14 @@ class CPUBackend(NumpyBackend):
             rope[i] = (cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1])
         kc0 = stack.kv_arrays[0][0]
         n_head, n_kv = s.q.shape[1] // kc0.shape[2], kc0.shape[1]
+        import numba
+
         self.fused_ops.decode_layers(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
             s.a[:n], s.o[:n], s.gate[:n], s.up[:n],
             *self._fused_activations(n * max(x.shape[1], s.gate.shape[1], s.a.shape[1])), stack.table, stack.mask,
-            F32(eps), rope, pos, n_rot, neox, slots, kmap, kbeg, kend, F32(scale), gelu, gelu_f16_table(), F32(q_scale))
+            F32(eps), rope, pos, n_rot, neox, slots, kmap, kbeg, kend, F32(scale), gelu, gelu_f16_table(), F32(q_scale),
+            numba.get_num_threads())
         return True
 
     def _stack_plan(self, blocks, kvs, ropes):

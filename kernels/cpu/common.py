@@ -71,6 +71,14 @@ VNNI = AVX2 and ("avxvnni" in _FEATURES or {"avx512vnni", "avx512vl"} <= _FEATUR
 REGS32 = AVX2 and {"avx512f", "avx512vl"} <= _FEATURES
 # 512-bit byte ops and vpdpbusd (two tokens' blocks in one vector: rowdot._q8_0_two_rows)
 ZMM_VNNI = REGS32 and {"avx512bw", "avx512vnni"} <= _FEATURES
+# Software prefetch of the weights a decode kernel reads next (rowdot.ROW_AHEAD, rows8.PACKED_AHEAD,
+# rows8.GROUP_AHEAD): on Intel cores the hardware's own prefetch left the one-row K-quant kernels
+# latency-bound (Sapphire Rapids, 2 threads, from memory: Q5_K 9.4 -> 23.6 GB/s, Q6_K 19.5 -> 26.0
+# with it); on AMD Zen cores it is the prefetches that cost (Zen 4, 2 threads, from memory, without /
+# with: packed Q4_K 24.4 / 20.2 GB/s, Q6_K 28.2 / 25.0, Q5_K 27.1 / 22.8; docs/performance.md,
+# thirteenth pass). LLVM's name for the CPU compiled for: "znver1" .. "znver5" on AMD Zen.
+_CPU_NAME = (llvm_binding.get_host_cpu_name() if numba.config.CPU_NAME in (None, "host") else numba.config.CPU_NAME)
+SOFTWARE_PREFETCH = not _CPU_NAME.startswith("znver")
 F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
 

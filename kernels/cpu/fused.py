@@ -81,10 +81,33 @@ def max_tokens(types) -> int:
 
 
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
-# gate and up rows are read FFN_GROUP chunks (128 rows) of one matrix, then as many of the other:
-# switching matrix every 16 rows read the 1B shape's gate/up weights 4-8 % slower from memory
-# (38.5 -> 40.0 and 41.6 -> 45.2 GB/s in two A/B runs, docs/performance.md)
-FFN_GROUP = 8
+# Every product's parallel loop has one iteration per thread, each a contiguous run of chunks (for
+# the gate and up rows: its run of one matrix, then the same rows of the other, then their
+# activation). With one iteration per chunk (the same rows per thread, as Numba splits a loop into
+# contiguous runs) the 1B shape's decode read its weights slower from memory: per token, 2 threads,
+# the q/k/v rows 2.52 -> 2.30 ms, gate/up 12.15 -> 11.15, down 7.1 -> 6.9 (docs/performance.md,
+# thirteenth pass); switching from gate to up rows every 16 rows had been 4-8 % slower than
+# every 128 (`FFN_GROUP`, the previous form), a run per thread is the end of that line.
+
+
+@njit(inline="always")
+def _share(th, n_threads, n):
+    """Thread th's first item of n split in n_threads contiguous runs."""
+    return th * n // n_threads
+
+
+@njit(inline="always")
+def _qkv_cut(b, cq, rq, ck, rk, cv, rv):
+    """The first chunk at or after byte b of the q, k, v chunks in a row (cq chunks of row bytes rq,
+    then ck of rk, then cv of rv): the q/k/v loop's threads split the bytes, not the chunk count
+    (a Q6_K v is 1.46 times a Q4_K k's bytes per row)."""
+    if b <= cq * rq:
+        return (b + rq - 1) // rq
+    b -= cq * rq
+    if b <= ck * rk:
+        return cq + (b + rk - 1) // rk
+    b -= ck * rk
+    return min(cq + ck + (b + rv - 1) // rv, cq + ck + cv)
 
 
 def _rows(mask, tid, w, c, out, a32, ak, n_in, n_tok):
@@ -223,7 +246,8 @@ def _cache(t, c):
 
 @njit(cache=True, nogil=True, parallel=True)
 def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
-                  eps, rope, pos, n_rot, neox, slots, kmap, kbeg, kend, scale, gelu, gelu_table, q_scale):
+                  eps, rope, pos, n_rot, neox, slots, kmap, kbeg, kend, scale, gelu, gelu_table, q_scale,
+                  n_threads):
     """n decode tokens (each of its own sequence) through the blocks of `table` (T_COLS columns, one
     row a layer, in order), in place on x (n, n_embd): a whole model's decode step in one call.
     q (n, n_head, hd), k / v (n, n_kv, hd), att (n, n_head * hd_v), o / h (n, n_embd), gate / up
@@ -232,7 +256,9 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
     address, positions, n_rot / 2) of float32 tables. Norms and biases of length 0 are absent. In
     layer group g, token t's K and V go to cache slot slots[g, t] and it attends to the slots
     kmap[kbeg[g, t]:kend[g, t]]. Every token gets what it gets through these blocks alone, bit for
-    bit (the one-token kernels and order); each layer's weights are read once for the n."""
+    bit (the one-token kernels and order); each layer's weights are read once for the n. n_threads:
+    Numba's thread count (each product's parallel loop takes a run of rows per thread; a count read
+    in here would keep the kernel out of the disk cache)."""
     n_tok, n_embd = x.shape
     for il in range(table.shape[0]):
         t = table[il]
@@ -256,13 +282,18 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
         n_in_qkv = n_embd
         qf, kf, vf = q.reshape(-1), k.reshape(-1), v.reshape(-1)
         cq, ck, cv = (wq.shape[0] + CHUNK - 1) // CHUNK, (wk.shape[0] + CHUNK - 1) // CHUNK, (wv.shape[0] + CHUNK - 1) // CHUNK
-        for c in prange(cq + ck + cv):
-            if c < cq:
-                _rows(mask, tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
-            elif c < cq + ck:
-                _rows(mask, tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
-            else:
-                _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
+        rq, rk, rv = wq.shape[1], wk.shape[1], wv.shape[1]
+        n_bytes = cq * rq + ck * rk + cv * rv
+        for th in prange(n_threads):
+            c0 = _qkv_cut(_share(th, n_threads, n_bytes), cq, rq, ck, rk, cv, rv)
+            c1 = _qkv_cut(_share(th + 1, n_threads, n_bytes), cq, rq, ck, rk, cv, rv)
+            for c in range(c0, c1):
+                if c < cq:
+                    _rows(mask, tids[0], wq, c, qf, a32, ak, n_in_qkv, n_tok)
+                elif c < cq + ck:
+                    _rows(mask, tids[1], wk, c - cq, kf, a32, ak, n_in_qkv, n_tok)
+                else:
+                    _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
         prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots[g],
                     q_scale)
         attend_decode(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, att, kc[0, 0, 0])
@@ -271,8 +302,10 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
         _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))
         n_in_o = n_att
         of = o.reshape(-1)
-        for c in prange((wo.shape[0] + CHUNK - 1) // CHUNK):
-            _rows(mask, tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
+        n_chunks = (wo.shape[0] + CHUNK - 1) // CHUNK
+        for th in prange(n_threads):
+            for c in range(_share(th, n_threads, n_chunks), _share(th + 1, n_threads, n_chunks)):
+                _rows(mask, tids[3], wo, c, of, a32, ak, n_in_o, n_tok)
         add_rms_norm(x, o, post_attn_norm, ffn_norm, eps, h)
         # gated FFN
         need32 = not (_is_k(tids[4]) and _is_k(tids[5]))
@@ -282,11 +315,11 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
         gf, uf = gate.reshape(-1), up.reshape(-1)
         n_ff = wg.shape[0]
         n8 = n_ff // 8 * 8
-        # gate and up rows of FFN_GROUP chunks, then their activation, in one parallel loop (the
-        # activation was a serial loop over n_ff after it)
+        # a thread's run of gate rows, the same run of up rows, then their activation, in one
+        # parallel loop (the activation was a serial loop over n_ff after it)
         n_chunks = (n_ff + CHUNK - 1) // CHUNK
-        for s in prange((n_chunks + FFN_GROUP - 1) // FFN_GROUP):
-            c0, c1 = s * FFN_GROUP, min(s * FFN_GROUP + FFN_GROUP, n_chunks)
+        for th in prange(n_threads):
+            c0, c1 = _share(th, n_threads, n_chunks), _share(th + 1, n_threads, n_chunks)
             for c in range(c0, c1):
                 _rows(mask, tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
             for c in range(c0, c1):
@@ -302,6 +335,8 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                         gf[j] = gv / (F32(1.0) + e) * uf[j]
         _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
         n_in_down = n_ff
-        for c in prange((wd.shape[0] + CHUNK - 1) // CHUNK):
-            _rows(mask, tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
+        n_chunks = (wd.shape[0] + CHUNK - 1) // CHUNK
+        for th in prange(n_threads):
+            for c in range(_share(th, n_threads, n_chunks), _share(th + 1, n_threads, n_chunks)):
+                _rows(mask, tids[6], wd, c, of, a32, ak, n_in_down, n_tok)
         add_rms_norm(x, o, post_ffw_norm, post_ffw_norm[:0], eps, x)

@@ -347,16 +347,23 @@ def matmul_q4_k8(packed, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def matvec_q5_k(raw, xq, xd, xs, xm, out):
+    """Rows by 16 per parallel iteration, as matvec_q6_k."""
     nb = U(xd.size)
-    for r in prange(raw.shape[0]):
-        out[r] = rowdot_q5_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
+    n = raw.shape[0]
+    for c in prange((n + 15) // 16):
+        for r in range(c * 16, min(c * 16 + 16, n)):
+            out[r] = rowdot_q5_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
 
 
 @njit(**JIT)
 def matvec_q6_k(raw, xq, xd, xs, xm, out):
+    """Rows by 16 per parallel iteration: with one row an iteration a 128256 x 2048 head (Llama 3's
+    shape) read 6 % slower from memory (2 threads, 26.5-26.7 -> 28.2-28.4 GB/s)."""
     nb = U(xd.size)
-    for r in prange(raw.shape[0]):
-        out[r] = rowdot_q6_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
+    n = raw.shape[0]
+    for c in prange((n + 15) // 16):
+        for r in range(c * 16, min(c * 16 + 16, n)):
+            out[r] = rowdot_q6_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
 
 
 # --- batches of TILED_MIN or more tokens: llama.cpp's tiled product -------------------------

@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import AVX2, VNNI, ZMM_VNNI, _abs_sign, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import AVX2, SOFTWARE_PREFETCH, VNNI, ZMM_VNNI, _abs_sign, _fn, _i8, _i16, _i32, _splat
 
 # One-row K-quant kernels read a row linearly, one super-block a loop; from memory (a file larger
 # than the cache) the hardware's prefetch alone kept them latency-bound: Q5_K 8192 x 2048 from
@@ -37,7 +37,8 @@ from edgellm.kernels.cpu.common import AVX2, VNNI, ZMM_VNNI, _abs_sign, _fn, _i8
 # prefetch (into L2) ROW_AHEAD bytes ahead of each super-block (into the next rows at a row's end:
 # rows lie end to end) took it to 23.4 / 25.4 GB/s (ahead 704: 20.6 / 22.1, 1408: 22.4 / 24.2,
 # 2816: 23.4 / 25.4, 4224: 22.2 / 24.2, 8448: 20.9 / 23.4; Sapphire Rapids VM, docs/performance.md).
-ROW_AHEAD = 2816
+# 0 (no software prefetch) where common.SOFTWARE_PREFETCH is off: on AMD Zen it slowed them.
+ROW_AHEAD = 2816 if SOFTWARE_PREFETCH else 0
 
 
 def _prefetch(builder, wp, o, n):
@@ -53,7 +54,8 @@ def _prefetch(builder, wp, o, n):
 
 def _prefetch_row(builder, wp, o, block):
     """In a one-row kernel at the super-block at byte o (of `block` bytes): the one ROW_AHEAD on."""
-    _prefetch(builder, wp, builder.add(o, ir.Constant(ir.IntType(64), ROW_AHEAD)), block - 1)
+    if ROW_AHEAD:
+        _prefetch(builder, wp, builder.add(o, ir.Constant(ir.IntType(64), ROW_AHEAD)), block - 1)
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)

@@ -29,7 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import REGS32, VNNI, _fn, _i8, _i16, _i32, _splat
+from edgellm.kernels.cpu.common import REGS32, SOFTWARE_PREFETCH, VNNI, _fn, _i8, _i16, _i32, _splat
 from edgellm.kernels.cpu.rowdot import (_V8F, _dpbusd, _fma, _k_scales, _load_vec, _madd16, _prefetch, _ptr,
                                         _quad_sums, _reduce8, const)
 from edgellm.kernels.cpu.rowdot import _maddubs16 as _maddubs
@@ -61,11 +61,18 @@ def _group(builder, w_off, rb):
             builder.add(w_off, builder.mul(const(16), rb)))
 
 
+# The eight-row kernels prefetch the group after the next (_ahead), on every CPU: their eight rows
+# are eight streams a row apart, which the hardware does not follow as well as one. Zen 4, 2 threads,
+# 8192 x 2048 Q4_0 from memory: without 9.3-11.4 GB/s, with 20.6-25.6 (scripts/bench_decode_memory.py).
+GROUP_AHEAD = True
+
+
 def _ahead(builder, wp, ahead, j, block):
     """At block j of a group: prefetch the j-th stretch of eight blocks' bytes from `ahead` on (the
     group after the next, whose eight rows lie one after another), so the loop's pace reads that
-    group linearly by the time it ends."""
-    _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
+    group linearly by the time it ends. Nothing where GROUP_AHEAD is off."""
+    if GROUP_AHEAD:
+        _prefetch(builder, wp, builder.add(ahead, builder.mul(j, const(8 * block))), 8 * block)
 
 
 def _rows8(kind):
@@ -237,8 +244,10 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
 # result is theirs bit for bit.
 # the decode kernel prefetches (into L2) the packed super-block this many ahead. 8192 x 2048, 2 threads,
 # 96 matrices in turn (900 MB, from memory), GB/s of weights on a Xeon (Sapphire Rapids class):
-# 1 ahead 22.5, 2 23.6-23.9, 3 24.5-25.2, 4 24.1-24.7, 6 23.3-23.6 (into L1: 15-16 at 2 and more)
-PACKED_AHEAD = 3
+# 1 ahead 22.5, 2 23.6-23.9, 3 24.5-25.2, 4 24.1-24.7, 6 23.3-23.6 (into L1: 15-16 at 2 and more).
+# 0: no software prefetch (common.SOFTWARE_PREFETCH off: on Zen 4, 2 threads, none 24.4 GB/s, 3
+# ahead 20.2, 8 ahead 21.6)
+PACKED_AHEAD = 3 if SOFTWARE_PREFETCH else 0
 Q4_K8_SB = 1184  # bytes per super-block of eight packed rows: 1024 codes, 16 d, 16 dmin, 64 scales, 64 mins
 _P_D, _P_DMIN, _P_SC, _P_MN = 1024, 1040, 1056, 1120
 
@@ -300,7 +309,8 @@ def il8_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off):
             j = loop.index
             i = builder.add(b_off_, j)
             o = builder.add(w_off_, builder.mul(j, const(Q4_K8_SB)))
-            _prefetch(builder, wp, builder.add(o, const(PACKED_AHEAD * Q4_K8_SB)), Q4_K8_SB - 64)
+            if PACKED_AHEAD:
+                _prefetch(builder, wp, builder.add(o, const(PACKED_AHEAD * Q4_K8_SB)), Q4_K8_SB - 64)
             # x's sums per 32 (pairs of its sums per 16; |sum| <= 32 * 128: exact in int16)
             s16 = _load_vec(builder, sp, builder.mul(i, const(16)), _i32(16))
             s32 = builder.add(builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(0, 16, 2)))),
