@@ -83,11 +83,10 @@ def max_tokens(types) -> int:
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
 # Every product's parallel loop has one iteration per thread, each a contiguous run of chunks (for
 # the gate and up rows: its run of one matrix, then the same rows of the other, then their
-# activation). With one iteration per chunk (the same rows per thread, as Numba splits a loop into
-# contiguous runs) the 1B shape's decode read its weights slower from memory: per token, 2 threads,
-# the q/k/v rows 2.52 -> 2.30 ms, gate/up 12.15 -> 11.15, down 7.1 -> 6.9 (docs/performance.md,
-# thirteenth pass); switching from gate to up rows every 16 rows had been 4-8 % slower than
-# every 128 (`FFN_GROUP`, the previous form), a run per thread is the end of that line.
+# activation), so a thread reads each matrix as one stream. Switching from gate to up rows every 16
+# rows had been 4-8 % slower from memory than every 128 (the previous form, FFN_GROUP = 8 chunks);
+# a run per thread is the end of that line. 1B Q4_K_M decode, Zen 4, 5 alternating pairs: 25.8 ->
+# 30.6 t/s (medians; Q8_0 level, 24.4 / 25.9; docs/performance.md, thirteenth pass).
 
 
 @njit(inline="always")
