@@ -9,15 +9,15 @@ decode step does. Reported: GB/s of weights read per second of wall time, and it
 stream test (`edgellm bench`'s, run between the rounds).
 
     python scripts/bench_decode_memory.py [--threads 2] [--rounds 5] [--mib 1024]
-        [--kinds q4_k8,q8_0,q6_k,q5_k,q4_0] [--shape 8192x2048]
+        [--kinds q4_k8,q8_0,q6_k,q5_k,q4_0] [--shape 8192x2048] [--cached]
 
-Kinds: q4_k8 = the packed Q4_K rows, eight a kernel call (rows8.il8_q4_k: what decode runs), q8_0 = the
-eight-row Q8_0 kernel (rows8.rows8_q8_0). "KIND@A" compiles KIND with its packed super-blocks
-prefetched A ahead (rows8.PACKED_AHEAD; 0: no software prefetch), e.g. q4_k8@0,q4_k8@3; q6_k and
-q5_k are the one-row kernels (rowdot.rowdot_q6_k / _q5_k, 16 rows a parallel item), "@B" their
-prefetch distance in bytes (rowdot.ROW_AHEAD); q4_0 the eight-row Q4_0 kernel (rows8.rows8_q4_0),
-"@0" / "@1" without / with its prefetch of the group after the next (rows8.GROUP_AHEAD). Every variant's result is checked bit for bit against
-the first's of its type.
+Kinds: q4_k8 = the packed Q4_K rows, eight a kernel call (rows8.il8_q4_k: what decode runs); q8_0 =
+the eight-row Q8_0 kernel (rows8.rows8_q8_0); q6_k, q5_k = the one-row kernels (rowdot.rowdot_q6_k /
+_q5_k, 16 rows a parallel item, as kquants.matvec_q6_k); q4_0 = the eight-row Q4_0 kernel
+(rows8.rows8_q4_0). "KIND@A" compiles KIND with another software prefetch: for q4_k8 A super-blocks
+ahead (rows8.PACKED_AHEAD), for q6_k / q5_k A bytes ahead (rowdot.ROW_AHEAD), for q4_0 A = 1 / 0
+with / without the prefetch of the group after the next (rows8.GROUP_AHEAD); 0 emits no prefetch,
+e.g. q4_k8@0,q4_k8@3. Every variant's result is checked bit for bit against the first's of its type.
 """
 from __future__ import annotations
 
