@@ -61,30 +61,25 @@ def kernels() -> dict:
             for g in prange(w.shape[0] // 8):
                 rows8_q4_0(w, U(g) * U(8) * rb, rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
 
-    @njit(nogil=True, parallel=True)
-    def q6_k(ws, xq, xd, xs, out):
-        nb, rb, n = U(xd.size), U(ws.shape[2]), ws.shape[1]
-        for m in range(ws.shape[0]):
-            w = ws[m]
-            for c in prange((n + 15) // 16):
-                for r in range(c * 16, min(c * 16 + 16, n)):
-                    out[r] = rowdot_q6_k(w, U(r) * rb, xq, U(0), xd, xs, U(0), nb)
+    def one_row(rowdot):
+        """A product by a one-row K-quant kernel, 16 rows a parallel item (as kquants.matvec_q6_k)."""
+        @njit(nogil=True, parallel=True)
+        def product(ws, xq, xd, xs, out):
+            nb, rb, n = U(xd.size), U(ws.shape[2]), ws.shape[1]
+            for m in range(ws.shape[0]):
+                w = ws[m]
+                for c in prange((n + 15) // 16):
+                    for r in range(c * 16, min(c * 16 + 16, n)):
+                        out[r] = rowdot(w, U(r) * rb, xq, U(0), xd, xs, U(0), nb)
 
-    @njit(nogil=True, parallel=True)
-    def q5_k(ws, xq, xd, xs, out):
-        nb, rb, n = U(xd.size), U(ws.shape[2]), ws.shape[1]
-        for m in range(ws.shape[0]):
-            w = ws[m]
-            for c in prange((n + 15) // 16):
-                for r in range(c * 16, min(c * 16 + 16, n)):
-                    out[r] = rowdot_q5_k(w, U(r) * rb, xq, U(0), xd, xs, U(0), nb)
+        return product
 
-    return {"q4_k8": q4_k8, "q8_0": q8_0, "q6_k": q6_k, "q5_k": q5_k, "q4_0": q4_0}
+    return {"q4_k8": q4_k8, "q8_0": q8_0, "q6_k": one_row(rowdot_q6_k), "q5_k": one_row(rowdot_q5_k), "q4_0": q4_0}
 
 
 def compiled(kind: str, *args):
-    """The kernel of `kind` ("name" or "name@A": compiled with rows8.PACKED_AHEAD = A), called once
-    on args (so compiled before it is timed)."""
+    """The kernel of `kind` ("name", or "name@A": compiled with prefetch setting A, see the module's
+    doc), called once on args (so compiled before it is timed)."""
     from edgellm.kernels.cpu import rowdot, rows8
 
     name, _, ahead = kind.partition("@")
