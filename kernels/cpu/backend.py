@@ -489,7 +489,7 @@ class CPUBackend(NumpyBackend):
             rope[i] = (cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1])
         kc0 = stack.kv_arrays[0][0]
         n_head, n_kv = s.q.shape[1] // kc0.shape[2], kc0.shape[1]
-        import numba
+        import numba  # (as in claim_thread: numba loads with the kernels, not with this module)
 
         self.fused_ops.decode_layers(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
