@@ -280,7 +280,6 @@ def test_fused_qkv_runs_cover_every_chunk_once_and_split_the_bytes(n_threads, ro
     from edgellm.kernels.cpu import fused
 
     share, cut = fused._share.py_func, fused._qkv_cut.py_func
-    n_q, n_k, n_v = rows
     cq, ck, cv = (-(-n // fused.CHUNK) for n in rows)
     rq, rk, rv = 2304, 1152, 1680  # bytes a row: Q4_K wq of 4096 columns, Q4_K wk / Q6_K wv of 2048
     n_bytes = cq * rq + ck * rk + cv * rv
