@@ -110,3 +110,47 @@ def test_pack_only_q4_k_with_whole_groups_of_eight_rows():
     cpu, _ = kernels()
     assert not cpu.bind(GGMLType.Q4_K, random_rows(GGMLType.Q4_K, 45, 512, seed=1), 512).pack()
     assert not cpu.bind(GGMLType.Q4_0, random_rows(GGMLType.Q4_0, 48, 512, seed=1), 512).pack()
+
+
+def test_outlined_kernels_are_calls_of_their_own_with_the_same_bits():
+    """fused.decode_layers calls its K-quant row kernels as functions of their own
+    (common.outlined), not inlined into it (inlined among the other types' kernels they spilled
+    registers and ran 10-40 % slower): the caller's code calls a noinline function, and every row
+    gets the inlined kernel's result bit for bit."""
+    import re
+
+    from edgellm.kernels.cpu import fused, kquants, rowdot, rows8
+    from edgellm.kernels.cpu.common import U, njit
+
+    cpu, _ = kernels()
+    rng = np.random.default_rng(7)
+    n_rows, n_cols = 24, 1024
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    x[::11] *= 25.0
+    q4 = random_rows(GGMLType.Q4_K, n_rows, n_cols, seed=3)
+    packed = kquants.pack8_q4_k(q4)
+    q6 = random_rows(GGMLType.Q6_K, n_rows, n_cols, seed=4)
+    xq, xd, xs = activations(GGMLType.Q4_K, x)[:3]
+    nb = U(n_cols // 256)
+
+    def products(il8, q6k):
+        @njit(cache=False)
+        def run(packed, q6, xq, xd, xs, out4, out6):
+            for g in range(packed.shape[0] // 8):
+                il8(packed, U(g) * U(8) * U(packed.shape[1]), xq, xd, xs, U(0), nb, out4, U(8 * g))
+            for r in range(q6.shape[0]):
+                out6[r] = q6k(q6, U(r) * U(q6.shape[1]), xq, U(0), xd, xs, U(0), nb)
+
+        out4, out6 = np.full(n_rows, np.nan, np.float32), np.full(n_rows, np.nan, np.float32)
+        run(packed, q6, xq, xd, xs, out4, out6)
+        return run, out4, out6
+
+    inl, in4, in6 = products(rows8.il8_q4_k, rowdot.rowdot_q6_k)
+    out, out4, out6 = products(fused.il8_q4_k, fused.rowdot_q6_k)
+    assert np.array_equal(in4.view(np.uint32), out4.view(np.uint32)) and not np.isnan(in4).any()
+    assert np.array_equal(in6.view(np.uint32), out6.view(np.uint32)) and not np.isnan(in6).any()
+    ir_out, ir_in = out.inspect_llvm(out.signatures[0]), inl.inspect_llvm(inl.signatures[0])
+    names = set(re.findall(r"define internal [^@]*@\"?(edgellm\.[\w.]+)\"?\(", ir_out))
+    assert {n.split(".")[1] for n in names} == {"il8_q4_k", "rowdot_q6_k"}, names
+    assert all(re.search(rf"call [^@]*@\"?{re.escape(n)}\"?\(", ir_out) for n in names)  # called, not inlined
+    assert "edgellm." not in ir_in  # the plain intrinsics stay inlined

@@ -25,6 +25,10 @@ How the kernels are written, and why (measured on an AVX2 machine, Numba 0.68 / 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
+
 import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
@@ -337,6 +341,46 @@ def _i32(n):
 
 def _fn(builder, name, ret, params):
     return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, params), name)
+
+
+_OUTLINED = itertools.count()
+
+
+def outlined(kernel):
+    """The intrinsic `kernel` compiled as a function of its own (internal, never inlined) that its
+    callers call, instead of inlined into them: the same code, so the same results. For callers
+    that inline many row kernels into one large function (fused.decode_layers): there, inlined, a
+    kernel's loop shares the register allocation of the whole caller, whose hoisted constants and
+    live values spill around it (3B Q4_K_M, the fused gate/up rows: 258 stack accesses in the
+    packed Q4_K loop against 6 alone, 1.43x the time of the same products one by one;
+    docs/performance.md, fourteenth pass). A call per row costs little next to a row of a few
+    thousand columns, but not next to a small model's short rows (fused.py outlines the K-quants'
+    kernels only)."""
+    defn = kernel.__wrapped__
+    tag = f"edgellm.{defn.__name__}.{next(_OUTLINED)}"
+
+    @functools.wraps(defn)
+    def typer(typingctx, *args):
+        typed = defn(typingctx, *args)
+        if typed is None:
+            return None
+        sig, codegen = typed
+
+        def call(context, builder, signature, args):
+            name = f"{tag}.{hashlib.sha1(str(signature).encode()).hexdigest()[:12]}"
+            fn = builder.module.globals.get(name)
+            if fn is None:
+                ret = context.get_value_type(signature.return_type)
+                fn = ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+                fn.linkage = "internal"
+                fn.attributes.add("noinline")
+                body = ir.IRBuilder(fn.append_basic_block("entry"))
+                body.ret(codegen(context, body, signature, list(fn.args)))
+            return builder.call(fn, args)
+
+        return sig, call
+
+    return intrinsic(typer)
 
 
 def _splat(builder, value, vec_type):

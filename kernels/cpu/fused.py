@@ -29,13 +29,21 @@ from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from edgellm.kernels.cpu.common import F32, U, njit, prange, quantize_q8_32, quantize_q8_k
+from edgellm.kernels.cpu import rowdot, rows8
+from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k
 from edgellm.kernels.cpu.kquants import _row_q4_k
 from edgellm.kernels.cpu.ops import add_rms_norm, attend_decode, expf_ggml, gelu_ggml, prepare_qkv, rms_norm
 from edgellm.kernels.cpu.legacy import _row_q4_0
-from edgellm.kernels.cpu.rowdot import (rowdot1_q5_1, rowdot_q2_k, rowdot_q3_k, rowdot_q4_1, rowdot_q5_0, rowdot_q5_k, rowdot_q6_k,
-                                        rowdot_q8_0)
-from edgellm.kernels.cpu.rows8 import il8_q4_k, rows8_q4_0, rows8_q4_k, rows8_q8_0
+from edgellm.kernels.cpu.rowdot import rowdot1_q5_1, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
+from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q8_0
+
+# The K-quant row kernels, each a function of its own that _rows calls (common.outlined): inlined
+# into decode_layers, which holds every K-quant's kernels when one is present, they ran 10-40 %
+# slower than alone. The legacy types' kernels stay inlined: a call per row of a small model's few
+# blocks costs more than it saves (SmolLM2 Q4_1 decode 0.81x outlined; 1B Q4_0 0.97x).
+rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, il8_q4_k, rows8_q4_k = (
+    outlined(k) for k in (rowdot.rowdot_q2_k, rowdot.rowdot_q3_k, rowdot.rowdot_q5_k, rowdot.rowdot_q6_k,
+                          rows8.il8_q4_k, rows8.rows8_q4_k))
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
