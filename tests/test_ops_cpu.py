@@ -214,3 +214,41 @@ def test_f16_cache_conversion_is_exact():
     FAST.ops.round_to_cache(x, kv.kernel_arrays()[0], rounded)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(rounded, x.astype(np.float16).astype(F32))
+
+
+_ATTEND_IN_A_PROCESS = """
+import sys
+import numpy as np
+from edgellm.kernels.cpu import ops
+rng = np.random.default_rng(0)
+kc = rng.standard_normal((64, 2, 64)).astype(np.float16).view(np.uint16)
+vc = rng.standard_normal((64, 2, 64)).astype(np.float16).view(np.uint16)
+q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+kpos = np.full(64, -1, np.int64)
+kpos[:20] = np.arange(20)
+out = np.empty((1, 256), np.float32)
+getattr(ops, sys.argv[1])(q, kc, vc, kpos, np.arange(64, dtype=np.int64), np.array([0]), np.array([20]),
+                          np.array([19]), 0, np.float32(0.125), out, kc[0, 0, 0])
+print(out.astype(np.float64).sum().hex())
+"""
+
+
+def test_cached_attention_kernels_load_in_any_compile_order(tmp_path):
+    """The decode attention compiled by one process (as the fused step compiles it), the unfused
+    step's entry to it by a second, both loaded from the disk cache by a third: the third gets the
+    same numbers. When the entry called the first as a cached kernel of its own, the third process
+    crashed (a segfault: Numba's cache named the callee's parallel part differently in the two
+    compiling processes)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    results = []
+    for kernel in ("attend_decode", "attend_ggml_decode", "attend_ggml_decode"):
+        r = subprocess.run([sys.executable, "-c", _ATTEND_IN_A_PROCESS, kernel], capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, (kernel, r.returncode, r.stderr[-2000:])
+        results.append(r.stdout.strip())
+    assert len(set(results)) == 1 and results[0].startswith(("0x", "-0x")), results
+    assert any((tmp_path / "numba").rglob("*attend_decode*.nbc"))  # the cache was written and read

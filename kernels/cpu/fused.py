@@ -32,7 +32,7 @@ from numba.extending import intrinsic, overload
 from edgellm.kernels.cpu import rowdot, rows8
 from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k
 from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.ops import add_rms_norm, attend_decode, expf_ggml, gelu_ggml, prepare_qkv, rms_norm
+from edgellm.kernels.cpu.ops import _attend_decode, add_rms_norm, expf_ggml, gelu_ggml, prepare_qkv, rms_norm
 from edgellm.kernels.cpu.legacy import _row_q4_0
 from edgellm.kernels.cpu.rowdot import rowdot1_q5_1, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
 from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q8_0
@@ -303,7 +303,7 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                     _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
         prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots[g],
                     q_scale)
-        attend_decode(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, att, kc[0, 0, 0])
+        _attend_decode(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, att, kc[0, 0, 0])
         # output projection, residual, ffn norm
         n_att = att.shape[1]
         _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))

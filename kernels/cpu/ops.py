@@ -367,6 +367,16 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
 
 
 attend_ggml = njit(cache=True, nogil=True, parallel=True)(_attend_ggml_rows)
+_attend_ggml = njit(inline="always")(_attend_ggml_rows)  # for attend_decode's one-head items
+
+# A kernel with a parallel loop is never called from another cached kernel as a compiled function
+# of its own: when the caller and the callee were compiled in different processes, the caller's
+# cached code can name the callee's parallel part under another name, and loading it crashes the
+# process (Numba issues 8578 and 10128; here attend_decode compiled by the fused decode step, then
+# attend_ggml_decode by an unfused step: the next process segfaulted). Such a kernel's body is an
+# inline="always" function, which Numba inlines into each caller (its prange becomes the caller's
+# own parallel loop), and the cached kernel is a thin function over it.
+# tests/test_ops_cpu.py::test_cached_attention_kernels_load_in_any_compile_order holds it.
 
 
 # heads of one KV head a decode kernel pass takes together: 4 x 4 accumulators of 8 floats fit in
@@ -398,8 +408,8 @@ def _pv_pass(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, a
         pv_heads1(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, acc_off, span, uhdv)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+@njit(inline="always")
+def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
     """attend_ggml with n_acc = 4 (decode tokens: vec_dot_f16's order), the same bits, with the
     heads that share a KV head taken together: each key's and value's row is read and converted
     once for them (attend_ggml reads it once per head, in another thread's chunk: at 2048 keys a
@@ -420,7 +430,7 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
         while g % c:
             c -= 1
     if c == 1:  # a head per item: attend_ggml's chunks of heads
-        attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
+        _attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
         return
     per = g // c
     n_items = n_tok * n_kv * per
@@ -498,10 +508,13 @@ def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
                 out[t, ob + d] = _lanes_reduce(acc, 4)
 
 
-@njit(cache=True, nogil=True)
-def attend_ggml_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
-    """attend_ggml for decode tokens (n_acc = 4), as the fused decode step calls it: attend_decode."""
-    attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
+@njit(cache=True, nogil=True, parallel=True)
+def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+    """_attend_decode: attend_ggml for decode tokens (n_acc = 4), as the fused decode step runs it."""
+    _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
+
+
+attend_ggml_decode = attend_decode  # (the unfused step's name for it)
 
 
 @njit(inline="always")
