@@ -30,9 +30,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from edgellm.kernels.cpu import rowdot, rows8
-from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k
+from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k, silu_mul_v8
 from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.ops import _attend_decode, add_rms_norm, expf_ggml, gelu_ggml, prepare_qkv, rms_norm
+from edgellm.kernels.cpu.ops import _attend_decode, add_rms_norm, gelu_ggml, prepare_qkv, rms_norm
 from edgellm.kernels.cpu.legacy import _row_q4_0
 from edgellm.kernels.cpu.rowdot import rowdot1_q5_1, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
 from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q8_0
@@ -331,15 +331,17 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                 _rows(mask, tids[4], wg, c, gf, a32, ak, n_in_ffn, n_tok)
             for c in range(c0, c1):
                 _rows(mask, tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
+            lo, hi = c0 * CHUNK, min(c1 * CHUNK, n_ff)
             for tk in range(n_tok):
-                for i in range(c0 * CHUNK, min(c1 * CHUNK, n_ff)):
-                    j = tk * n_ff + i
-                    gv = gf[j]
-                    if gelu:  # ggml's GEGLU
-                        gf[j] = gelu_ggml(gv, gelu_table) * uf[j]
-                    else:
-                        e = expf_ggml(-gv) if i < n8 else np.exp(-gv)
-                        gf[j] = gv / (F32(1.0) + e) * uf[j]
+                if gelu:  # ggml's GEGLU
+                    for i in range(lo, hi):
+                        gf[tk * n_ff + i] = gelu_ggml(gf[tk * n_ff + i], gelu_table) * uf[tk * n_ff + i]
+                else:  # SiLU: ggml's vector exp eight lanes at a time (lo, and hv unless it is n8, are multiples of 16)
+                    hv = max(lo, min(hi, n8))
+                    silu_mul_v8(gf, uf, gf, U(tk * n_ff + lo), U(hv - lo))
+                    for i in range(hv, hi):  # ggml's scalar tail: expf
+                        gv = gf[tk * n_ff + i]
+                        gf[tk * n_ff + i] = gv / (F32(1.0) + np.exp(-gv)) * uf[tk * n_ff + i]
         _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
         n_in_down = n_ff
         n_chunks = (wd.shape[0] + CHUNK - 1) // CHUNK
