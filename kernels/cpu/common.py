@@ -368,10 +368,8 @@ def outlined(kernel):
 
         def call(context, builder, signature, args):
             name = f"{tag}.{hashlib.sha1(str(signature).encode()).hexdigest()[:12]}"
-            fn = builder.module.globals.get(name)
-            if fn is None:
-                ret = context.get_value_type(signature.return_type)
-                fn = ir.Function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+            fn = _fn(builder, name, context.get_value_type(signature.return_type), [a.type for a in args])
+            if fn.is_declaration:
                 fn.linkage = "internal"
                 fn.attributes.add("noinline")
                 body = ir.IRBuilder(fn.append_basic_block("entry"))

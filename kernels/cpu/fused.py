@@ -333,15 +333,15 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                 _rows(mask, tids[5], wu, c, uf, a32, ak, n_in_ffn, n_tok)
             lo, hi = c0 * CHUNK, min(c1 * CHUNK, n_ff)
             for tk in range(n_tok):
+                t0 = tk * n_ff
                 if gelu:  # ggml's GEGLU
-                    for i in range(lo, hi):
-                        gf[tk * n_ff + i] = gelu_ggml(gf[tk * n_ff + i], gelu_table) * uf[tk * n_ff + i]
+                    for j in range(t0 + lo, t0 + hi):
+                        gf[j] = gelu_ggml(gf[j], gelu_table) * uf[j]
                 else:  # SiLU: ggml's vector exp eight lanes at a time (lo, and hv unless it is n8, are multiples of 16)
                     hv = max(lo, min(hi, n8))
-                    silu_mul_v8(gf, uf, gf, U(tk * n_ff + lo), U(hv - lo))
-                    for i in range(hv, hi):  # ggml's scalar tail: expf
-                        gv = gf[tk * n_ff + i]
-                        gf[tk * n_ff + i] = gv / (F32(1.0) + np.exp(-gv)) * uf[tk * n_ff + i]
+                    silu_mul_v8(gf, uf, gf, U(t0 + lo), U(hv - lo))
+                    for j in range(t0 + hv, t0 + hi):  # ggml's scalar tail: expf
+                        gf[j] = gf[j] / (F32(1.0) + np.exp(-gf[j])) * uf[j]
         _quantize(mask, gate, a32, ak, not _is_k(tids[6]), _is_k(tids[6]))
         n_in_down = n_ff
         n_chunks = (wd.shape[0] + CHUNK - 1) // CHUNK

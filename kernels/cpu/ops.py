@@ -485,10 +485,8 @@ def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z
             total = 0.0
             mi = m[i]
             exp_shifted(s[sb:sb + n_vis], U(n_vis), mi)  # expf_ggml eight lanes at a time (the same bits)
-            for c8 in range(0, n_vis, 8):
-                for e8 in range(8):
-                    acc[e8] = s[sb + c8 + e8]
-                total += np.float64(_lanes_reduce(acc, 1))
+            for c8 in range(sb, sb + n_vis, 8):
+                total += np.float64(_lanes_reduce(s[c8:c8 + 8], 1))  # (n_acc 1 only reads its 8 lanes)
             inv[i] = F32(1.0 / total)
         # the probabilities rounded to the cache's type; the exps (s) say which are skipped
         for i in range(c):

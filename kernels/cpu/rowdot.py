@@ -1028,7 +1028,8 @@ def _pv_lanes(n_q):
                     for c in range(k):
                         builder.store(builder.load(slots[i][c]), ptrs[i][c], align=4)
 
-            with cgutils.for_range(builder, _umin(builder, used_, const(32))) as lanes:
+            n_lanes = builder.select(builder.icmp_unsigned("<", used_, const(32)), used_, const(32))
+            with cgutils.for_range(builder, n_lanes) as lanes:
                 lane = lanes.index
                 with cgutils.for_range(builder, builder.udiv(n_main, const(8 * k_main))) as ds:
                     stretch(lane, builder.mul(ds.index, const(8 * k_main)), k_main)
@@ -1040,10 +1041,6 @@ def _pv_lanes(n_q):
         return sig, codegen
 
     return pv_lanes
-
-
-def _umin(builder, a, b):
-    return builder.select(builder.icmp_unsigned("<", a, b), a, b)
 
 
 pv_lanes1, pv_lanes2, pv_lanes3, pv_lanes4 = (_pv_lanes(n) for n in (1, 2, 3, 4))
