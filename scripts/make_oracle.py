@@ -44,6 +44,17 @@ LONG_PROMPT = (
     "and he still counted, under his breath, the seconds between the flashes."
 )
 
+QWEN_PROMPTS = [
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome.<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
+    "// Return the n-th Fibonacci number.\nfn fib(n: u64) -> u64 {\n",
+    "SELECT name, COUNT(*) FROM orders JOIN customers ON",
+    "The capital of France is",
+    LONG_PROMPT,
+]
+
 REAL_PROMPTS = {
     "smollm2-135m": [
         "The capital of France is",
@@ -61,7 +72,11 @@ REAL_PROMPTS = {
         "The three primary colors are",
         LONG_PROMPT,
     ],
+    "qwen2.5-coder-0.5b": QWEN_PROMPTS,
+    "qwen2.5-coder-1.5b": QWEN_PROMPTS,
 }
+# greedy tokens per real model (issue: 32 for the Qwen files)
+N_GREEDY_REAL = {"qwen2.5-coder-0.5b": 32, "qwen2.5-coder-1.5b": 32}
 
 # synthetic files: (arch, ggml type name); shapes chosen so every row splits into 256-blocks
 SYNTHETIC_SHAPE = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=384, seed=11)
@@ -125,14 +140,16 @@ def save(name: str, records: list[dict], meta: dict) -> None:
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
 
-def make_real() -> None:
+def make_real(models: list[str] | None = None) -> None:
     import llama_cpp
 
     from edgellm.fetch import model_path
 
     for name, prompts in REAL_PROMPTS.items():
+        if models and name not in models:
+            continue
         path = model_path(name)
-        records = [reference(path, None, p, N_GREEDY) for p in prompts]
+        records = [reference(path, None, p, N_GREEDY_REAL.get(name, N_GREEDY)) for p in prompts]
         save(name, records, {"model": name, "sha256": sha256(path), "prompts": prompts, "top_k": TOP_K,
                              "llama_cpp_python": llama_cpp.__version__})
 
@@ -156,9 +173,10 @@ def make_synthetic() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("real", "synthetic"))
+    ap.add_argument("--models", help="comma-separated known model names (real fixtures only for these)")
     args = ap.parse_args()
     if args.only in (None, "real"):
-        make_real()
+        make_real(args.models.split(",") if args.models else None)
     if args.only in (None, "synthetic"):
         make_synthetic()
     return 0

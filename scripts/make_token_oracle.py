@@ -9,6 +9,7 @@ and a SHA-256 over the pieces of the whole vocabulary.
 
     python scripts/make_token_oracle.py                # both real models, via edgellm.fetch
     python scripts/make_token_oracle.py NAME=PATH ...  # e.g. smollm2=/path/to/file.gguf
+    python scripts/make_token_oracle.py --only qwen2   # one fixture
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import llama_cpp
 
-MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}   # fixture name -> fetch name
+# fixture name -> fetch name (the two Qwen2.5-Coder files share one vocabulary)
+MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m", "qwen2": "qwen2.5-coder-0.5b"}
 FLAGS = ((True, False), (False, True), (True, True))           # (add_special, parse_special)
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -178,11 +180,16 @@ def _quiet(level, text, user_data):  # llama.cpp's load log is long; keep the sc
 
 
 def main(argv: list[str]) -> None:
+    only = None
+    if argv[:1] == ["--only"]:
+        only, argv = set(argv[1].split(",")), argv[2:]
     overrides = dict(a.split("=", 1) for a in argv)
     llama_cpp.llama_log_set(_quiet, None)
     llama_cpp.llama_backend_init()
     DATA.mkdir(parents=True, exist_ok=True)
     for name in MODELS:
+        if only and name not in only:
+            continue
         out = DATA / f"tokens_{name}.json"
         data = oracle(name, model_path(name, overrides))
         out.write_text(to_json(data), encoding="utf-8")
