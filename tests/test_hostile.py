@@ -336,6 +336,39 @@ def test_cli_hostile_file_one_line_exit_1(base, tmp_path, command):
     assert len(lines) == 1 and "rope.dimension_count" in lines[0] and "72" in lines[0], r.stderr
 
 
+def _invalid_utf8(src, dst, needle: bytes, at: int = 0):
+    """A copy of `src` with one byte of the first `needle` set to 0xff (not UTF-8 in any string)."""
+    data = bytearray(src.read_bytes())
+    data[data.index(needle) + at] = 0xFF
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("needle, at", [(b"general.name", 8), (b"synthetic-llama", 0), (b"blk.1.ffn_up.weight", 6)],
+                         ids=["key", "name", "tensor"])
+def test_strings_that_are_not_utf8_are_carried_safely(base, tmp_path, needle, at):
+    """A key, the model's name or a tensor name that is not valid UTF-8: the model loads, generates
+    and quantizes (the bytes written back as they were, as llama-quantize does), and the quality
+    store's key is computed; a tensor the model needs under that name is missing, one clear error."""
+    import edgellm
+    from edgellm.quality.store import model_key
+
+    f = _invalid_utf8(base, tmp_path / "bad.gguf", needle, at)
+    gf = GGUFFile(f)
+    assert len(model_key(gf)) == 16
+    if needle.startswith(b"blk"):
+        with pytest.raises(errors.MissingMetadataError, match="blk.1.ffn_up.weight. is missing"):
+            edgellm.load(f)
+    else:
+        m = edgellm.load(f, n_ctx=64)
+        assert len([c for c in m.generate("hi", max_tokens=3, temperature=0, ignore_eos=True)]) == 3
+    out = tmp_path / "q.gguf"
+    r = _cli("quantize", f, out, "Q8_0", "--allow-requantize")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    bad = needle[:at] + b"\xff" + needle[at + 1:]
+    assert bad in out.read_bytes()
+
+
 def test_api_load_refuses_hostile_file(base, tmp_path):
     import edgellm
 

@@ -147,6 +147,9 @@ class _Writer(GGUFWriter):
     def _pack_val(self, val, vtype, add_vtype, sub_type=None) -> bytes:
         from edgellm.gguf_file import StringArray
 
+        if isinstance(val, str):  # the file's bytes back as they were, valid UTF-8 or not (keys, names)
+            val = val.encode("utf-8", "surrogateescape")
+
         fast = (vtype == GGUFValueType.ARRAY and isinstance(val, (np.ndarray, StringArray)) and len(val) > 0
                 and self.endianess == GGUFEndian.LITTLE)
         if not fast:

@@ -78,7 +78,7 @@ def layer_of(name: str) -> int:
 
 def llama_order(names) -> list[str]:
     """llama.cpp's loader order: non-block tensors first, then by layer; by name within a layer."""
-    return sorted(names, key=lambda n: (layer_of(n), n.encode()))
+    return sorted(names, key=lambda n: (layer_of(n), n.encode("utf-8", "surrogateescape")))
 
 
 def category(name: str) -> str:

@@ -19,7 +19,7 @@ REPORT_VERSION = 1
 def model_key(gf) -> str:
     """16 hex digits naming the model behind an open GGUFFile, the same for all its quant types."""
     h = hashlib.sha256()
-    h.update(f"{gf.metadata.get('general.architecture', '')}\0{gf.metadata.get('general.name', '')}\0".encode())
+    h.update(f"{gf.metadata.get('general.architecture', '')}\0{gf.metadata.get('general.name', '')}\0".encode("utf-8", "surrogateescape"))
     for name in sorted(gf.tensors):
         h.update(f"{name}:{','.join(map(str, gf.tensors[name].ne))}\0".encode("utf-8", "surrogateescape"))
     return h.hexdigest()[:16]
