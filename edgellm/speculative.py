@@ -1,0 +1,165 @@
+"""Speculative decoding: proposals, verification, and when to speculate.
+
+A proposer offers up to n tokens that may follow a sequence: a draft model's greedy tokens, or
+prompt lookup (the tokens that followed the latest earlier occurrence of the sequence's last n-gram,
+llama.cpp's `ngram-simple`). The target evaluates the sequence's next token and the proposal in one
+step, every position in the one-token order (so its logits are the bits plain decoding gets), and
+`verify` runs the sequence's own sampler over those rows one position at a time: position i's token
+is drawn exactly as plain decoding would draw it, and the walk stops at the first drawn token that
+differs from the proposal. Each kept token costs one draw, as in plain decoding, so with the same
+seed the answer is token for token the plain answer, greedy or sampled. For a proposal that is a
+single token (a draft's greedy choice, a lookup), keeping it when the target's draw equals it is
+speculative sampling's rejection rule (accept with probability p(x), else draw from p without x).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from edgellm.errors import InvalidArgumentError
+
+SPEC_TYPES = ("none", "draft-simple", "ngram-simple")
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """llama.cpp's names: --spec-type, --spec-draft-n-max/-n-min/-p-min,
+    --spec-ngram-simple-size-n/-size-m."""
+
+    spec_type: str = "none"
+    n_max: int = 16  # the most tokens proposed in a step
+    n_min: int = 0  # a proposal shorter than this is not verified
+    p_min: float = 0.75  # a draft model stops proposing at a token it gives less probability
+    ngram_n: int = 3  # prompt lookup: the longest n-gram matched (down to 1)
+    ngram_m: int = 16  # prompt lookup: the most tokens copied after a match
+
+    def __post_init__(self):
+        if self.spec_type not in SPEC_TYPES:
+            raise InvalidArgumentError(f"spec type {self.spec_type!r} is not one of {', '.join(SPEC_TYPES)}")
+        if int(self.n_max) != self.n_max or self.n_max <= 0:
+            raise InvalidArgumentError(f"the draft length (--spec-draft-n-max) must be > 0, got {self.n_max}")
+        if int(self.n_min) != self.n_min or not 0 <= self.n_min <= self.n_max:
+            raise InvalidArgumentError(f"--spec-draft-n-min must be in [0, n_max={self.n_max}], got {self.n_min}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise InvalidArgumentError(f"--spec-draft-p-min must be in [0, 1], got {self.p_min}")
+        if self.ngram_n <= 0 or self.ngram_m <= 0:
+            raise InvalidArgumentError("the n-gram sizes must be > 0")
+
+
+# --- prompt lookup --------------------------------------------------------------------------------
+class PromptLookup:
+    """The sequence's own n-grams, indexed as tokens arrive: for each n-gram the positions where
+    its two latest occurrences end, so the one before the current suffix is found in O(1)."""
+
+    def __init__(self, max_n: int = 3, max_m: int = 16):
+        self.max_n, self.max_m = max_n, max_m
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (latest end, the one before)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            e = len(self.tokens) - 1
+            for n in range(1, min(self.max_n, e + 1) + 1):
+                key = tuple(self.tokens[e - n + 1:e + 1])
+                last = self._ends.get(key)
+                self._ends[key] = (e, last[0] if last else -1)
+
+    def truncate(self, n_keep: int) -> None:
+        """Forget tokens past n_keep (not needed by the engine, which only appends kept tokens)."""
+        if n_keep < len(self.tokens):
+            kept = self.tokens[:n_keep]
+            self.tokens, self._ends = [], {}
+            self.extend(kept)
+
+    def propose(self, n_draft: int) -> list[int]:
+        """Up to n_draft tokens that followed the latest earlier occurrence of the longest matching
+        suffix (max_n tokens down to 1); [] when there is none."""
+        toks, e = self.tokens, len(self.tokens) - 1
+        n_draft = min(n_draft, self.max_m)
+        if e < 1 or n_draft <= 0:
+            return []
+        for n in range(min(self.max_n, e), 0, -1):
+            ends = self._ends.get(tuple(toks[e - n + 1:e + 1]))
+            if ends is None:
+                continue
+            prev = ends[1] if ends[0] == e else ends[0]
+            if prev >= 0:
+                return toks[prev + 1:prev + 1 + n_draft]
+        return []
+
+
+# --- verification ---------------------------------------------------------------------------------
+def verify(sample, rows, proposal: list[int], history: list[int]) -> list[int]:
+    """The tokens kept from one verification step: `rows[i]` are the target's logits after the
+    sequence's tokens and proposal[:i]; `sample(logits, history)` is the sequence's sampler. Returns
+    1 + (number of proposed tokens kept) tokens: the kept proposal tokens, then the target's own."""
+    kept: list[int] = []
+    hist = list(history)
+    for i in range(len(proposal) + 1):
+        t = int(sample(rows[i], hist))
+        kept.append(t)
+        if i == len(proposal) or t != proposal[i]:
+            break
+        hist.append(t)
+    return kept
+
+
+# --- when to speculate ------------------------------------------------------------------------------
+@dataclass
+class DraftLength:
+    """How many tokens to propose: the length that maximises expected kept tokens per unit of step
+    time, from the running acceptance rate (per proposed token, exponentially weighted) and the
+    measured step time of each size relative to a one-token step. 0 stands speculation down."""
+
+    n_max: int
+    n_min: int = 0
+    rate: float = 0.7  # prior acceptance per proposed token
+    decay: float = 0.9
+    step_s: dict = field(default_factory=dict)  # tokens in a step -> EWMA seconds
+    proposed: int = 0
+    accepted: int = 0
+
+    def record_step(self, n_tokens: int, seconds: float) -> None:
+        old = self.step_s.get(n_tokens)
+        self.step_s[n_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def record(self, n_proposed: int, n_accepted: int) -> None:
+        """One verification: n_accepted of n_proposed tokens kept (a prefix)."""
+        if n_proposed <= 0:
+            return
+        self.proposed += n_proposed
+        self.accepted += n_accepted
+        # each proposed token up to the first rejection is one Bernoulli trial
+        trials = min(n_proposed, n_accepted + 1)
+        for i in range(trials):
+            self.rate = self.decay * self.rate + (1 - self.decay) * (1.0 if i < n_accepted else 0.0)
+
+    def cost(self, n_tokens: int) -> float:
+        """A step of n_tokens in units of a one-token step (interpolated; assumed flat when unknown:
+        on a bandwidth-bound CPU a few more rows cost little next to reading the weights)."""
+        one = self.step_s.get(1)
+        if not one:
+            return 1.0 + 0.05 * (n_tokens - 1)
+        known = sorted(k for k in self.step_s if k >= n_tokens)
+        if known:
+            return self.step_s[known[0]] / one
+        top = max(self.step_s)
+        return self.step_s[top] / one * n_tokens / top
+
+    def choose(self, available: int) -> int:
+        """The draft length for the next step, given `available` proposed tokens (0..n_max)."""
+        best_k, best = 0, 1.0
+        a = min(max(self.rate, 0.0), 0.999)
+        for k in range(max(self.n_min, 1), min(self.n_max, available) + 1):
+            expected = (1 - a ** (k + 1)) / (1 - a)  # kept tokens, the target's own included
+            gain = expected / self.cost(k + 1)
+            if gain > best * 1.03:  # a margin: speculation must pay for itself clearly
+                best_k, best = k, gain
+        if best_k and best_k < self.n_min:
+            return 0
+        return best_k
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else math.nan
