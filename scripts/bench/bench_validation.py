@@ -1,6 +1,6 @@
 """CPU time of the checks a model's load runs (developer tool, never imported).
 
-    python scripts/bench_validation.py MODEL.gguf [MODEL.gguf ...] [--repeat 7]
+    python scripts/bench/bench_validation.py MODEL.gguf [MODEL.gguf ...] [--repeat 7]
 
 Per file, the median CPU time (time.process_time) of: `ModelConfig.from_gguf` (typed getters,
 hyperparameters against each other, every tensor's shape against them, the vocabulary's arrays
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def median_cpu_ms(fn, repeat: int) -> float:

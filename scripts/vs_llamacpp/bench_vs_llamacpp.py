@@ -2,12 +2,13 @@
 the same GGUF file and thread count: pp (batched prompt tokens/s) and tg (one-token decode tokens/s),
 alternating runs, medians, ratios; peak RSS of each in its own process.
 
-    python scripts/bench_vs_llamacpp.py MODEL [-p 512] [-n 128] [-r 3] [-t 2] [-d 0]
-                                        [--llama-bench PATH/llama-bench]
+    python scripts/vs_llamacpp/bench_vs_llamacpp.py MODEL [-p 512] [-n 128] [-r 3] [-t 2] [-d 0]
+                                        [--llama-bench] [--llama-bin DIR]
 
 -d N: both tests after N tokens already in the context (llama-bench's -d), filled in batches of
-max(p, 512) tokens (llama-bench's default micro-batch is 512). With --llama-bench the
-llama.cpp side is that program (its shared libraries next to it), run with -r --reps repetitions.
+max(p, 512) tokens (llama-bench's default micro-batch is 512). With --llama-bench (implied by
+--llama-bin) the llama.cpp side is its llama-bench program, found in --llama-bin DIR, $LLAMA_BIN or
+PATH (scripts/llamacpp.py) and run with -r --reps repetitions; without it, llama-cpp-python.
 
 Each measurement runs in a fresh subprocess (so RSS is per engine) that loads the model once, warms
 up, then times r repetitions; runs alternate edgellm / llama.cpp to share the machine's noise.
@@ -21,6 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-bench)
 
 WORKER = r'''
 import json, sys, time, resource
@@ -104,11 +109,15 @@ def main() -> int:
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("-d", type=int, default=0, help="tokens already in the context before each test")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions inside each process")
-    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench program")
+    ap.add_argument("--llama-bench", action="store_true",
+                    help="llama.cpp's side from its llama-bench program instead of llama-cpp-python "
+                         "(implied by --llama-bin)")
+    llamacpp.add_argument(ap)
     args = ap.parse_args()
     from edgellm.fetch import resolve_model
 
     path = str(resolve_model(args.model))
+    llama_bench = llamacpp.tool("llama-bench", args.llama_bin) if args.llama_bench or args.llama_bin else None
     res = {"edgellm": [], "llama.cpp": []}
     for i in range(args.r):
         for engine in ("edgellm", "llama.cpp"):
@@ -116,7 +125,7 @@ def main() -> int:
             if engine == "edgellm":
                 kind, target = "edgellm", path
             else:
-                kind, target = ("llama-bench", f"{path}|{args.llama_bench}") if args.llama_bench else ("llamacpp", path)
+                kind, target = ("llama-bench", f"{path}|{llama_bench}") if llama_bench else ("llamacpp", path)
             res[engine].append(run_one(kind, target, args.p, args.n, args.reps, args.t, args.d))
             print(f"round {i + 1} {engine}: {time.perf_counter() - t0:.1f} s "
                   f"pp {res[engine][-1]['pp']} tg {res[engine][-1]['tg']}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Fuzz edgellm's GGUF loading with mutated copies of one file (developer tool, never imported).
 
-    python scripts/fuzz_gguf.py MODEL.gguf [--cases 10000] [--seed 0] [--run-share 0.05]
+    python scripts/checks/fuzz_gguf.py MODEL.gguf [--cases 10000] [--seed 0] [--run-share 0.05]
                                 [--timeout 20] [--mem-gib 3] [--keep DIR] [--json]
 
 Each case mutates the file one way — random header bytes, an odd byte (ESC, newline, broken
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.mem_gib)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from edgellm.gguf_file import GGUFFile
 
     data = open(args.model, "rb").read()

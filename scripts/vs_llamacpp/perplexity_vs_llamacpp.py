@@ -1,6 +1,6 @@
 """Dev tool: edgellm perplexity / KL next to llama-perplexity's on the same file, text and chunks.
 
-    python scripts/perplexity_vs_llamacpp.py --bin DIR_WITH_LLAMA_PERPLEXITY MODEL.gguf [--base BASE.gguf] \
+    python scripts/vs_llamacpp/perplexity_vs_llamacpp.py [--llama-bin DIR] MODEL.gguf [--base BASE.gguf] \
         [-c 512] [--chunks 8] [-t 2] [--record NAME]   # --record: store llama's numbers as a test fixture
 
 The text is edgellm's default (Python's pydoc topics), written to a temporary file for llama.cpp.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,14 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-perplexity)
+
 FIXTURE = ROOT / "tests" / "data" / "perplexity_llamacpp.json"
 
 
-def llama(bin_dir: Path, args: list[str]) -> tuple[str, float]:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
+def llama(exe: Path, args: list[str]) -> tuple[str, float]:
     t0 = time.perf_counter()
-    p = subprocess.run([str(bin_dir / "llama-perplexity"), *args], capture_output=True, text=True, env=env)
+    p = subprocess.run([str(exe), *args], capture_output=True, text=True, env=llamacpp.env_for(exe))
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
     return p.stdout + p.stderr, time.perf_counter() - t0
@@ -45,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", type=Path)
     ap.add_argument("--base", type=Path, default=None)
-    ap.add_argument("--bin", type=Path, required=True)
+    llamacpp.add_argument(ap)
     ap.add_argument("-c", "--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -56,6 +57,7 @@ def main() -> int:
     import edgellm
     from edgellm.quality.perplexity import default_text, perplexity
 
+    exe = llamacpp.tool("llama-perplexity", args.llama_bin)
     tmp = Path(tempfile.mkdtemp(prefix="pplcmp-"))
     text_file = tmp / "text.txt"
     text_file.write_text(default_text(), encoding="utf-8")
@@ -64,8 +66,8 @@ def main() -> int:
     out = {"ctx": args.ctx, "chunks": args.chunks}
     if args.base:
         kl_file = tmp / "base.kld"
-        llama(args.bin, ["-m", str(args.base), *common, "--kl-divergence-base", str(kl_file)])
-        text, secs = llama(args.bin, ["-m", str(args.model), *common, "--kl-divergence-base", str(kl_file),
+        llama(exe, ["-m", str(args.base), *common, "--kl-divergence-base", str(kl_file)])
+        text, secs = llama(exe, ["-m", str(args.model), *common, "--kl-divergence-base", str(kl_file),
                                       "--kl-divergence"])
         out["llama"] = {
             "ppl": grab(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", text)[0],
@@ -79,7 +81,7 @@ def main() -> int:
             "seconds": secs,
         }
     else:
-        text, secs = llama(args.bin, ["-m", str(args.model), *common])
+        text, secs = llama(exe, ["-m", str(args.model), *common])
         ppl, err = grab(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", text)
         out["llama"] = {"ppl": ppl, "ppl_err": err, "seconds": secs}
 

@@ -9,7 +9,7 @@ is filled first (a prompt of -d random tokens, each engine in batches), then eac
 are timed one `eval` at a time (a decode step and its logits; no sampling). Prints the medians per
 token and the ratio (llama.cpp's time / edgellm's: above 1, edgellm is faster).
 
-    python scripts/bench_decode_interleaved.py MODEL [-t 2] [-d 0] [--rounds 8] [--block 8]
+    python scripts/vs_llamacpp/bench_decode_interleaved.py MODEL [-t 2] [-d 0] [--rounds 8] [--block 8]
 """
 from __future__ import annotations
 

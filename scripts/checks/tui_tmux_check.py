@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Drive the real chat UI in an 80x24 tmux pane, as a user would, and check what the screen shows.
 
-    python scripts/tui_tmux_check.py                 # `edgellm chat` on the default model
-    python scripts/tui_tmux_check.py --model PATH    # another GGUF file or known name
-    python scripts/tui_tmux_check.py --command run   # `edgellm run` (no -p on a terminal: the chat)
-    python scripts/tui_tmux_check.py --fake          # the app on tests/fake_engine.FakeModel
+    python scripts/checks/tui_tmux_check.py                 # `edgellm chat` on the default model
+    python scripts/checks/tui_tmux_check.py --model PATH    # another GGUF file or known name
+    python scripts/checks/tui_tmux_check.py --command run   # `edgellm run` (no -p on a terminal: the chat)
+    python scripts/checks/tui_tmux_check.py --fake          # the app on tests/fake_engine.FakeModel
 
 Steps: start the app in a shell in tmux, wait for the chat, send a prompt, check that the answer
 streams (the chat column changes between captures) and that the panel shows memory, layers and
@@ -80,7 +80,7 @@ def check(condition: bool, message: str, screen: str = "") -> None:
 
 def app_command(args: argparse.Namespace, resume: bool = False) -> str:
     if args.fake:
-        fake = Path(__file__).resolve().parent.parent / "tests" / "fake_engine.py"
+        fake = Path(__file__).resolve().parents[2] / "tests" / "fake_engine.py"
         return shlex.join([sys.executable, str(fake), "--delay", "0.05", "--repeat", "30"]
                           + (["--resume"] if resume else []))
     edgellm = shutil.which("edgellm")

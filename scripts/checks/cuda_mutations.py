@@ -2,8 +2,8 @@
 kernels/cuda/*.cu(h) and runs tests/test_cuda_emulated.py on the copy (EDGELLM_TEST_CUDA_SOURCES),
 each in its own process (a planted out-of-bounds access ends the process with SIGSEGV).
 
-    python scripts/cuda_mutations.py            # prints CAUGHT / MISSED per bug; exit 1 if any missed
-    python scripts/cuda_mutations.py dp4a q8    # only the bugs whose label contains one of these words
+    python scripts/checks/cuda_mutations.py            # prints CAUGHT / MISSED per bug; exit 1 if any missed
+    python scripts/checks/cuda_mutations.py dp4a q8    # only the bugs whose label contains one of these words
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "kernels" / "cuda"
 
 # (what the bug is, file, text, replacement, pytest -k filter)

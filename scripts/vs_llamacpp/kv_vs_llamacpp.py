@@ -1,6 +1,6 @@
 """Dev tool: edgellm with a quantized KV cache against llama.cpp with the same cache type, token by token.
 
-    python scripts/kv_vs_llamacpp.py --bin DIR_WITH_LLAMA_PERPLEXITY MODEL.gguf [--kv-type q8_0] \
+    python scripts/vs_llamacpp/kv_vs_llamacpp.py [--llama-bin DIR] MODEL.gguf [--kv-type q8_0] \
         [-c 128] [--chunks 8] [-t 2]
 
 llama-perplexity runs the model with `-ctk/-ctv KV_TYPE -fa on` (llama.cpp needs flash attention for
@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-perplexity)
 
 
 def read_llama_base(path: Path):
@@ -64,7 +66,7 @@ def compare(base_lp: list[np.ndarray], ours: list[np.ndarray]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
-    ap.add_argument("--bin", type=Path, required=True, help="folder with llama-perplexity")
+    llamacpp.add_argument(ap)
     ap.add_argument("--kv-type", default="q8_0")
     ap.add_argument("-c", "--ctx", type=int, default=128)
     ap.add_argument("--chunks", type=int, default=8)
@@ -81,11 +83,11 @@ def main() -> int:
     text_file = tmp / "text.txt"
     text_file.write_text(default_text(), encoding="utf-8")
     kld = tmp / "llama.kld"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(args.bin))
-    cmd = [str(args.bin / "llama-perplexity"), "-m", str(args.model), "-f", str(text_file), "-c", str(args.ctx),
+    exe = llamacpp.tool("llama-perplexity", args.llama_bin)
+    cmd = [str(exe), "-m", str(args.model), "-f", str(text_file), "-c", str(args.ctx),
            "-b", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-fa", args.flash_attn,
            "-ctk", args.kv_type, "-ctv", args.kv_type, "--kl-divergence-base", str(kld)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=llamacpp.env_for(exe))
     if p.returncode != 0:
         raise SystemExit(p.stderr[-2000:])
     n_ctx, tokens, base_lp = read_llama_base(kld)

@@ -8,7 +8,7 @@ multiplied by one token's activations in turn, so every product reads its weight
 decode step does. Reported: GB/s of weights read per second of wall time, and its share of the
 stream test (`edgellm bench`'s, run between the rounds).
 
-    python scripts/bench_decode_memory.py [--threads 2] [--rounds 5] [--mib 1024]
+    python scripts/bench/bench_decode_memory.py [--threads 2] [--rounds 5] [--mib 1024]
         [--kinds q4_k8,q8_0,q6_k,q5_k,q4_0] [--shape 8192x2048] [--cached]
 
 Kinds: q4_k8 = the packed Q4_K rows, eight a kernel call (rows8.il8_q4_k: what decode runs); q8_0 =
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from quant_blocks import random_rows
 
 

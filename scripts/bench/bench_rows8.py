@@ -4,7 +4,7 @@ replace, per matrix of the Llama-3.2-1B shape: bit-equality and CPU time (proces
 work on a shared machine does not count), alternating in one process, medians. Q4_K also times
 the packed rows (kquants.pack8_q4_k / matvec_q4_k8, what CPUBackend runs for mapped Q4_K).
 
-    python scripts/bench_rows8.py [--threads 1] [--reps 9] [--kinds q4_0,q4_k]
+    python scripts/bench/bench_rows8.py [--threads 1] [--reps 9] [--kinds q4_0,q4_k]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from quant_blocks import random_rows
 
 SHAPES = ((2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (128256, 2048))

@@ -1,6 +1,6 @@
 """Benchmark the CPU kernels: matvec weight bandwidth per type vs. a NumPy sum over the same bytes.
 
-    python scripts/bench_kernels.py [--types Q4_0,Q8_0] [--threads N] [--working-set-mb 192]
+    python scripts/bench/bench_kernels.py [--types Q4_0,Q8_0] [--threads N] [--working-set-mb 192]
                                     [--shapes] [--no-types] [--vs-ggml]
 
 For each type: a 4096 x 4096 matrix of random valid blocks, repeated until the working set exceeds
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from quant_blocks import random_rows  # noqa: E402
 
 from edgellm.kernels import cpu  # noqa: E402

@@ -1,7 +1,7 @@
 """A scripted chat through the API: time to first token per turn, with the engine's prefix reuse (each
 turn evaluates only its new tokens) and, for comparison, with the cache emptied before every turn.
 
-    python scripts/bench_chat_turns.py [MODEL] [--turns 10] [--answer 60]
+    python scripts/bench/bench_chat_turns.py [MODEL] [--turns 10] [--answer 60]
 """
 from __future__ import annotations
 

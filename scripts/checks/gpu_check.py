@@ -8,7 +8,7 @@
             achieved fraction of memory bandwidth.
 Prints PASS / FAIL per check and a summary; exits 1 when any check failed.
 
-Without a GPU, EDGELLM_CUDA_EMULATE=1 python scripts/gpu_check.py --only kernels --only models runs
+Without a GPU, EDGELLM_CUDA_EMULATE=1 python scripts/checks/gpu_check.py --only kernels --only models runs
 parts 1 and 2 on the CPU executor (correctness only; minutes).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e

@@ -2,12 +2,13 @@
 of requests (mixed prompt and answer lengths, temperature 0) and report aggregate generated tokens/s,
 TTFT p50/p99, time per output token p50/p99 and errors.
 
-Runs against `edgellm serve` (started here with -np = clients) and, given its path, llama.cpp's
-llama-server on the same file (started with -np = clients), printing edgellm / llama-server ratios
+Runs against `edgellm serve` (started here with -np = clients) and, with --llama-server, llama.cpp's
+llama-server on the same file (started with -np = clients; found in --llama-bin DIR, $LLAMA_BIN or
+PATH: scripts/llamacpp.py), printing edgellm / llama-server ratios
 per client count and a Markdown table; or against a server already running (--url). The issue's
 sweep (1, 4, 8, 16 clients; 32 requests of 16-512 tokens; -t 2 -c 8192) is the default:
 
-    python scripts/bench_serve.py MODEL.gguf --llama-server path/to/llama-server
+    python scripts/vs_llamacpp/bench_serve.py MODEL.gguf --llama-server [--llama-bin DIR]
 
 `--soak N` instead runs N requests against `edgellm serve` with clients that leave early, and checks
 that nothing leaks (see --help). Dev tool, never imported by the package.
@@ -28,6 +29,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-server)
 
 TOPICS = ["the history of the bicycle", "how a refrigerator works", "why the sky is blue", "the rules of chess",
           "how to bake bread", "the life cycle of a star", "what a compiler does", "how bees make honey"]
@@ -131,10 +135,10 @@ def start(kind: str, args, clients: int, stderr=subprocess.DEVNULL) -> tuple[sub
                "-c", str(args.ctx), "--kv-size", str(args.ctx), "-t", str(args.threads), "--alias", "bench"]
         env = os.environ
     else:
-        binary = Path(args.llama_server)
+        binary = llamacpp.tool("llama-server", args.llama_bin)
         cmd = [str(binary), "-m", args.model, "--port", str(port), "-np", str(clients), "-c", str(args.ctx),
                "-t", str(args.threads), "-a", "bench", "--log-disable"]
-        env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
+        env = llamacpp.env_for(binary)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -353,7 +357,9 @@ def main() -> int:
                     help="KV cache tokens: llama-server -c (split among its slots); edgellm --kv-size (a shared "
                          "pool; each sequence may use up to all of it)")
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama-server from PATH")
+    ap.add_argument("--llama-server", action="store_true",
+                    help="also run llama.cpp's llama-server (implied by --llama-bin)")
+    llamacpp.add_argument(ap)
     ap.add_argument("--no-edgellm", action="store_true", help="only llama-server")
     ap.add_argument("--url", default=None, help="a server already running (skips starting any)")
     ap.add_argument("--start-timeout", type=float, default=600)
@@ -370,7 +376,7 @@ def main() -> int:
         return soak(args)
     requests = make_requests(args.requests, args.seed, args.min_tokens, args.max_tokens)
     kinds = [] if args.url else (["edgellm"] if not args.no_edgellm else []) + (
-        ["llama-server"] if args.llama_server else [])
+        ["llama-server"] if args.llama_server or args.llama_bin else [])
     rows = []
     for clients in [int(c) for c in args.clients.split(",")]:
         for kind in kinds or ["url"]:  # alternate servers at each client count

@@ -2,13 +2,13 @@
 the real models, CPU-only vs `gpu_layers` in a list: top-1 agreement and KL(cpu || gpu) per position.
 Runs on a GPU, or without one under EDGELLM_CUDA_EMULATE=1 (the CUDA kernels on the CPU; slow).
 
-    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py                       # both models, 1 / half / all
-    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --models gemma3 --gpu-layers all \\
+    EDGELLM_CUDA_EMULATE=1 python scripts/checks/cuda_kl.py                  # both models, 1 / half / all
+    EDGELLM_CUDA_EMULATE=1 python scripts/checks/cuda_kl.py --models gemma3 --gpu-layers all \\
         --cpu-ops attention,gelu_mul           # those GPU ops replaced by the CPU backend's twins
-    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --float-activations    # GPU products in float32
-    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --greedy 16            # + greedy continuations of 5 prompts
-    EDGELLM_CUDA_EMULATE=1 python scripts/cuda_kl.py --kv-type q8_0 --gpu-layers half  # both runs with a q8_0 cache
-    python scripts/cuda_kl.py --gpu-layers 0 --batch 5        # the CPU against itself, prompt in batches of 5
+    EDGELLM_CUDA_EMULATE=1 python scripts/checks/cuda_kl.py --float-activations    # GPU products in float32
+    EDGELLM_CUDA_EMULATE=1 python scripts/checks/cuda_kl.py --greedy 16   # + greedy continuations of 5 prompts
+    EDGELLM_CUDA_EMULATE=1 python scripts/checks/cuda_kl.py --kv-type q8_0 --gpu-layers half  # q8_0 cache, both
+    python scripts/checks/cuda_kl.py --gpu-layers 0 --batch 5   # the CPU against itself, prompt in batches of 5
 
 --cpu-ops finds where a remaining difference comes from: each named CudaBackend op is computed by
 NumpyBackend (the CPU backend's NumPy twin: ggml's roundings, e.g. attention probabilities rounded to

@@ -2,7 +2,7 @@
 compiled in parallel worker processes (the default) and in the process itself
 (EDGELLM_NO_PRECOMPILE=1), alternating, each on its own empty NUMBA_CACHE_DIR.
 
-    python scripts/cold_start.py [--rounds 2] [--model smollm2-135m] [--download] [-n 40] [-- extra run flags]
+    python scripts/bench/cold_start.py [--rounds 2] [--model smollm2-135m] [--download] [-n 40] [-- extra run flags]
 
 Prints per run: seconds to the answer's first byte on stdout (first_token_s) and to the end of
 the command (wall_s), CPU seconds of the command and its children, and the workers' CPU seconds.

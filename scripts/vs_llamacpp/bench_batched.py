@@ -2,13 +2,14 @@
 same GGUF file and thread count, alternating runs, medians, S_TG ratios per npl; and continuous vs
 static batching on a mixed-length workload.
 
-    python scripts/bench_batched.py MODEL --batched-bench PATH/llama-batched-bench \
+    python scripts/vs_llamacpp/bench_batched.py MODEL --batched-bench [--llama-bin DIR] \
         [--npp 16] [--ntg 96] [--npl 1,2,4,8] [-t 2] [-r 3]
-    python scripts/bench_batched.py MODEL --policies [--requests 32] [--n-seq 8]
+    python scripts/vs_llamacpp/bench_batched.py MODEL --policies [--requests 32] [--n-seq 8]
 
 Each edgellm measurement runs in a fresh subprocess (one load, a warm-up row, then the rows);
-llama-batched-bench runs as its own process (`-npp -ntg -npl -t`, its default f16 cache, no
-shared prompt), and its S_TG column is parsed from the markdown table it prints.
+llama-batched-bench (in --llama-bin DIR, $LLAMA_BIN or PATH: scripts/llamacpp.py) runs as its own
+process (`-npp -ntg -npl -t`, its default f16 cache, no shared prompt), and its S_TG column is
+parsed from the markdown table it prints.
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-batched-bench)
 
 WORKER = r'''
 import json, sys
@@ -65,11 +70,10 @@ def edgellm_rows(path, npp, ntg, threads, npls):
     return {row["npl"]: row["s_tg"] for row in result(r.stdout + r.stderr)}
 
 
-def llama_rows(exe, path, npp, ntg, threads, npls):
-    env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(exe))
-    r = subprocess.run([exe, "-m", path, "-npp", str(npp), "-ntg", str(ntg), "-npl", npls, "-t", str(threads),
+def llama_rows(exe: Path, path, npp, ntg, threads, npls):
+    r = subprocess.run([str(exe), "-m", path, "-npp", str(npp), "-ntg", str(ntg), "-npl", npls, "-t", str(threads),
                         "-c", str(max(int(n) for n in npls.split(",")) * (npp + ntg) + 64)],
-                       capture_output=True, text=True, env=env)
+                       capture_output=True, text=True, env=llamacpp.env_for(exe))
     rows = {}
     for line in r.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -84,7 +88,9 @@ def llama_rows(exe, path, npp, ntg, threads, npls):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--batched-bench", metavar="PATH", help="llama-batched-bench executable")
+    ap.add_argument("--batched-bench", action="store_true",
+                    help="also run llama.cpp's llama-batched-bench (implied by --llama-bin)")
+    llamacpp.add_argument(ap)
     ap.add_argument("--npp", type=int, default=16)
     ap.add_argument("--ntg", type=int, default=96)
     ap.add_argument("--npl", default="1,2,4,8")
@@ -105,11 +111,12 @@ def main() -> int:
                                 str(args.threads), policy], capture_output=True, text=True)
             print(json.dumps(result(r.stdout + r.stderr)))
         return 0
+    exe = llamacpp.tool("llama-batched-bench", args.llama_bin) if args.batched_bench or args.llama_bin else None
     ours, theirs = [], []
     for i in range(args.rounds):
         ours.append(edgellm_rows(path, args.npp, args.ntg, args.threads, args.npl))
-        if args.batched_bench:
-            theirs.append(llama_rows(args.batched_bench, path, args.npp, args.ntg, args.threads, args.npl))
+        if exe:
+            theirs.append(llama_rows(exe, path, args.npp, args.ntg, args.threads, args.npl))
         print(f"round {i + 1}: edgellm {ours[-1]}  llama.cpp {theirs[-1] if theirs else '-'}", file=sys.stderr)
     print(f"{'npl':>4} {'edgellm S_TG':>13} {'llama.cpp S_TG':>15} {'ratio':>6}")
     for n in ours[0]:

@@ -1,6 +1,6 @@
 """CPU time to the "prompt longer than the context" error for a huge prompt (developer tool).
 
-    python scripts/bench_long_prompt.py MODEL.gguf [--mb 50] [--ctx 4096] [--base REV] [--base-mb N]
+    python scripts/bench/bench_long_prompt.py MODEL.gguf [--mb 50] [--ctx 4096] [--base REV] [--base-mb N]
 
 After: `Model.generate(text)` as it is (the tokenizer stops as soon as the prompt cannot fit).
 Before: the tokenizer at git revision REV (default main) tokenizing the whole prompt, which is what
@@ -16,7 +16,7 @@ import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 LINE = "All work and no play makes Jack a dull boy. The quick brown fox jumps over 13 lazy dogs.\n"
 

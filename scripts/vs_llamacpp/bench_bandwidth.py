@@ -1,7 +1,7 @@
 """Decode weight bandwidth of edgellm and llama.cpp as shares of the memory read rate measured
 beside each run (dev only).
 
-    python scripts/bench_bandwidth.py FILE [FILE ...] --llama-bench PATH [-n 32] [-r 3] [-t 2]
+    python scripts/vs_llamacpp/bench_bandwidth.py FILE [FILE ...] [--llama-bin DIR] [-n 32] [-r 3] [-t 2]
 
 On a shared or virtual machine the memory read rate moves with the neighbours (on one 2-core VM,
 44 GB/s at one hour, 33 the next), so a share against a rate measured at another time is off by as
@@ -18,8 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from edgellm.commands.bench import stream_bandwidth
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-bench)
 
 
 def _json(cmd: list[str], env=None):
@@ -32,19 +36,20 @@ def _json(cmd: list[str], env=None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+")
-    ap.add_argument("--llama-bench", required=True)
+    llamacpp.add_argument(ap)
     ap.add_argument("-n", type=int, default=32, help="tokens decoded per run")
     ap.add_argument("-r", type=int, default=3, help="rounds")
     ap.add_argument("-t", type=int, default=2, help="threads")
     a = ap.parse_args()
-    env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(os.path.abspath(a.llama_bench)))
+    llama_bench = llamacpp.tool("llama-bench", a.llama_bin)
+    env = llamacpp.env_for(llama_bench)
     for path in a.files:
         shares = {"edgellm": [], "llama.cpp": []}
         for _ in range(a.r):
             b0 = stream_bandwidth(a.t)
             ours = _json(["edgellm", "bench", path, "-p", "0", "-n", str(a.n), "-r", "1", "-t", str(a.t), "--json"])
             b1 = stream_bandwidth(a.t)
-            theirs = _json([a.llama_bench, "-m", path, "-p", "0", "-n", str(a.n), "-r", "1", "-t", str(a.t),
+            theirs = _json([str(llama_bench), "-m", path, "-p", "0", "-n", str(a.n), "-r", "1", "-t", str(a.t),
                             "-o", "json"], env)
             b2 = stream_bandwidth(a.t)
             per_pass = ours["weight_bytes_per_pass"]
