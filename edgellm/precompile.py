@@ -349,7 +349,8 @@ def write_stand_in(stand_in, path) -> Path:
 
     types = {name: GGMLQuantizationType[t] for name, t in stand_in.tensor_types(2).items()}
     return write_synthetic_gguf(path, arch=stand_in.arch, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
-                                n_vocab=512, ggml_type=GGMLQuantizationType[stand_in.embd], tensor_types=types)
+                                n_vocab=512, ggml_type=GGMLQuantizationType[stand_in.embd], tensor_types=types,
+                                tied_output=stand_in.head is None)
 
 
 def _compile_stand_in(stand_in, kv_type: str, out: dict) -> None:

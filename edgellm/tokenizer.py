@@ -52,8 +52,7 @@ _HIDDEN_ATTRS = ATTR_CONTROL | ATTR_UNKNOWN                        # parse/print
 
 # Token texts llama.cpp recognises when the file names no id for the role. Each is forced to
 # CONTROL (that changes how the token is matched and printed). Where several texts of a role are
-# in the vocabulary llama.cpp takes whichever its hash map yields first; we take the lowest id
-# (the same choice on SmolLM2, which has both <|endoftext|> and <|im_end|>).
+# in the vocabulary llama.cpp takes whichever its hash map yields first (edgellm.vocab_order).
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
               "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
               "<end_of_utterance>")
@@ -673,6 +672,21 @@ def _special_roles(md: Mapping[str, Any], tokens: list[str], token_to_id: dict[s
     as llama.cpp does, and those tokens become CONTROL (updates `attrs` in place)."""
     n = len(tokens)
     index = {t: token_to_id[t] for t in _ROLE_TEXTS if t in token_to_id}
+    walk_rank: list[np.ndarray | None] = []
+
+    def first_in_walk(found: list[int]) -> int:
+        if not walk_rank:                      # computed once, only for a vocabulary that needs it
+            from edgellm.vocab_order import walk_order
+
+            blob, offsets = (tokens if isinstance(tokens, StringArray) else StringArray(tokens)).utf8()
+            order = walk_order(blob, offsets)
+            rank = None
+            if order is not None:
+                rank = np.empty(n, dtype=np.int64)
+                rank[order] = np.arange(n)
+            walk_rank.append(rank)
+        rank = walk_rank[0]
+        return min(found) if rank is None else min(found, key=lambda t: rank[t])
 
     def by_text(key: str, texts: Iterable[str]) -> int | None:
         tid = _token_id(md, key, None, n)
@@ -681,7 +695,7 @@ def _special_roles(md: Mapping[str, Any], tokens: list[str], token_to_id: dict[s
         found = [index[t] for t in texts if t in index]
         if not found:
             return None
-        tid = min(found)                       # llama.cpp: hash-map order; lowest id is stable
+        tid = found[0] if len(found) == 1 else first_in_walk(found)
         attrs[tid] |= ATTR_CONTROL
         return tid
 

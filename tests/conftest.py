@@ -18,6 +18,20 @@ def gemma3_path():
     return model_path("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen05_path():
+    from edgellm.fetch import model_path
+
+    return model_path("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path():
+    from edgellm.fetch import model_path
+
+    return model_path("qwen2.5-coder-1.5b")
+
+
 def pytest_collection_modifyitems(items):
     """The memory-ledger tests run first. Later in a full session their SmolLM2 worker processes
     (fresh subprocesses, own kernel cache) peaked ~175 MiB higher than alone or early in a session,

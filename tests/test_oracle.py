@@ -48,7 +48,8 @@ def compare(logits: np.ndarray, rec: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b",
+                                  pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
 def test_real_model_matches_llamacpp(name):
     from edgellm.fetch import model_path
 

@@ -190,18 +190,21 @@ def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
 
 
 def _types(path) -> tuple[str, set[tuple[str, ...]]]:
-    """(the token embedding's type, {the types of fetch.ROLES in a layer}) of a GGUF file."""
+    """(the token embedding's type, the untied head's type or None, {the types of fetch.ROLES in a
+    layer}) of a GGUF file."""
     from gguf import GGUFReader
 
     from edgellm.fetch import ROLES
 
     t = {x.name: x.tensor_type.name for x in GGUFReader(path).tensors}
     n_layer = sum(1 for k in t if k.endswith(".attn_q.weight"))
-    return t["token_embd.weight"], {tuple(t[f"blk.{i}.{r}.weight"] for r in ROLES) for i in range(n_layer)}
+    return t["token_embd.weight"], t.get("output.weight"), {tuple(t[f"blk.{i}.{r}.weight"] for r in ROLES) for i in range(n_layer)}
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name, fixture", [("smollm2-135m", "smollm2_path"), ("gemma3-270m", "gemma3_path")])
+@pytest.mark.parametrize("name, fixture", [("smollm2-135m", "smollm2_path"), ("gemma3-270m", "gemma3_path"),
+                                           ("qwen2.5-coder-0.5b", "qwen05_path"),
+                                           ("qwen2.5-coder-1.5b", "qwen15_path")])
 def test_the_stand_in_has_the_real_files_tensor_types(name, fixture, request, tmp_path):
     """The kernels compiled for the stand-in are the real file's only if its tensors have the same
     types (decode_block is compiled per family of row types, the head per type)."""

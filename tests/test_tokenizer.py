@@ -20,7 +20,7 @@ from edgellm.gguf_file import GGUFFile
 from edgellm.tokenizer import Tokenizer, _clean_spaces
 
 DATA = Path(__file__).parent / "data"
-MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
+MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m", "qwen2": "qwen2.5-coder-0.5b"}
 FLAGS = {"10": (True, False), "01": (False, True), "11": (True, True)}
 
 
@@ -281,3 +281,22 @@ def test_vocabulary_and_merges_stay_compact():
         tracemalloc.stop()
     assert tok.n_vocab == 49152 and tok.tokenize("Hello world") == [19556, 905]
     assert held < 5 * 2**20, held
+
+
+# --- llama.cpp's vocabulary walk (edgellm.vocab_order) ------------------------------------------
+def test_string_hash_and_walk_are_libstdcxx():
+    """Values printed by a C++ program built with GCC 12's libstdc++: std::hash<std::string> of
+    strings across the 8-byte word boundary, and the iteration order of an unordered_map filled
+    with 40 keys (through the rehashes at 13 and 29 elements)."""
+    from edgellm.gguf_file import StringArray
+    from edgellm.vocab_order import string_hashes, walk_order
+
+    words = ["", "a", "abcdefg", "abcdefgh", "abcdefghi", "<|endoftext|>", "déjà vu 東京"]
+    blob, off = StringArray(words).utf8()
+    assert string_hashes(blob, off).tolist() == [
+        6142509188972423790, 4993892634952068459, 16063891478991045295, 8664279048047335611,
+        13036955925923793583, 3113324847494305268, 14781396196601614702]
+    blob, off = StringArray([f"tok{7 * i}" for i in range(40)]).utf8()
+    assert walk_order(blob, off).tolist() == [
+        36, 33, 31, 30, 12, 1, 11, 21, 9, 7, 25, 6, 34, 28, 37, 29, 3, 10, 13, 4, 5, 0, 35, 24, 27, 39,
+        15, 38, 14, 17, 16, 32, 8, 2, 18, 23, 19, 26, 20, 22]
