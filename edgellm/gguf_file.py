@@ -10,9 +10,9 @@ Layout of a GGUF (v2/v3, little-endian) file:
     string = u64 length + UTF-8 bytes; array = elem_type u32 + count u64 + elements
 
 The gguf package's constants (value types, quant sizes) are used; its GGUFReader is not, because it
-builds a Python object per array element: 5 s for SmolLM2's and 39 s for Gemma-3's vocabulary on
-this class of machine, where this reader takes well under a second. Every count read from the file is
-checked against the bytes left before anything is sized by it.
+builds a Python object per array element (seconds for a large vocabulary), where this reader keeps
+each array as it lies in the file. Every count read from the file is checked against the bytes left
+before anything is sized by it.
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@ progress line, and answer before the last of them is compiled.
 
 Numba compiles a kernel on its first call and caches the machine code on disk (see
 `edgellm.kernels.cpu.numba_cache_dir`); `Runtime.warm_up` then loads them in seconds. Compiling is
-single-threaded, and one small model's kernels take ~55 CPU s, in three parts (`step_groups`): the
-prompt batch (batched products, attention), the one-token step through the unfused kernels (with
-the output head), and the fused decode step (`fused.decode_layers`, ~20 s of its own on top of
-the unfused step's kernels, which it calls). `precompile` runs the model's warm-up steps in worker
+single-threaded, and one small model's kernels take most of a CPU minute, in three parts
+(`step_groups`): the prompt batch (batched products, attention), the one-token step through the
+unfused kernels (with the output head), and the fused decode step (`fused.decode_layers`, the
+largest; it calls the unfused step's kernels). `precompile` runs the model's warm-up steps in worker
 processes (one per core, at most two), each on a single thread: the prompt in one, the unfused
 step and then the fused one in the other; the workers fill the disk cache and the load that follows
 finds every kernel there.
@@ -16,8 +16,8 @@ finds every kernel there.
 
 With background=True it returns once the first token's kernels are compiled (the prompt and the
 unfused step), with kernels.cpu.backend.FUSED_READY clear: decode steps run the unfused kernels
-(the same bits) until the worker has the fused one in the cache. The first run's answer so starts
-~15-20 s earlier; the command waits for the worker at its end (`Compiling.wait`).
+(the same bits) until the worker has the fused one in the cache, so the first run's answer does
+not wait for it (docs/performance.md); the command waits for the worker at its end (`Compiling.wait`).
 
 A model whose kernels were compiled before is recognised by a stamp in the kernel cache (its file,
 size, mtime and KV type), so later runs start no worker. Any worker failure is harmless: the load

@@ -2,9 +2,8 @@
 
 Why: a decode step reads every weight of the CPU layers once, ~0.6-5 GB a token at 1B-8B sizes.
 Read through the file mapping, that is one 4 KiB page per 4 KiB of weights, and the page walks of
-the TLB misses cost a fifth of the step: on a Llama-3.2-1B-shaped Q4_K_M file, 2 threads, decode
-ran at 24-29 tok/s mapped and 33-35 tok/s from a copy in 2 MiB pages (alternating runs, same
-process code). So by default the CPU layers' matrices are copied into 2 MiB-aligned chunks advised
+the TLB misses cost up to a fifth of the step (docs/performance.md, standing decisions).
+So by default the CPU layers' matrices are copied into 2 MiB-aligned chunks advised
 MADV_HUGEPAGE, and the file's pages they came from are dropped from the mapping (MADV_DONTNEED:
 they stay in the page cache, not in this process's resident set), so resident memory stays what
 it was. `load(mmap=True)` / `--mmap` keeps the weights mapped (less load work for a file that is

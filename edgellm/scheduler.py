@@ -167,7 +167,7 @@ class Engine:
     def drive(self, waiting_for=None) -> bool:
         """Run one step in the calling thread (a caller waiting for its Request's next chunk; it
         waits for a step another thread is running first). Numba's OpenMP kernels run at full speed
-        only from the thread that started them (from another thread SmolLM2 decodes at ~0.4x), so
+        only from the thread that started them (from another thread far slower: docs/performance.md), so
         the thread that loaded the model and iterates its results should run the steps; the engine
         thread steps only when nobody iterates. True if a step ran or `waiting_for` (a Request) has
         a chunk now."""

@@ -16,7 +16,7 @@ REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"
 OPTIONAL = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
 BIASES = ("attn_q", "attn_k", "attn_v")
 # A prompt's FFN runs FFN_CHUNK tokens at a time, so its two (n_tok, n_ff) buffers hold about
-# FFN_CHUNK rows (6 -> 1.5 MiB for SmolLM2's 512-token batch). Each token must get the float order
+# FFN_CHUNK rows (1.5 MiB for SmolLM2's 512-token batch). Each token must get the float order
 # it gets in one call for the whole batch: the products take a batch's tokens four at a time
 # (llama.cpp's repacked Q4_K), so chunks start at multiples of 4, and K-quant batches of fewer
 # than 8 tokens take the one-token order, so the last chunk is never shorter than 8 (FFN_TAIL_MIN).

@@ -2,7 +2,7 @@
 # edgellm GPU check, for a fresh machine with one CUDA GPU and no network.
 #
 #   scripts/gpu_check.sh [--only kernels|models|bench] [--all-types]
-#       runs scripts/gpu_check.py (every CUDA kernel vs NumPy, whole-model GPU vs CPU logits, bench);
+#       runs scripts/checks/gpu_check.py (every CUDA kernel vs NumPy, whole-model GPU vs CPU logits, bench);
 #       prints PASS/FAIL per check; exit status 0 only when every check passed.
 #   scripts/gpu_check.sh --prepare
 #       run where there IS network: downloads into .whl/ the wheels the GPU machine may lack (gguf,
@@ -59,7 +59,7 @@ ln -s "$REPO/tui" "$SHIM/edgellm/tui"
 export PYTHONPATH="$SHIM:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export NUMBA_CACHE_DIR=/tmp/edgellm-gpu-check-numba
 
-timeout 295 $PY "$REPO/scripts/gpu_check.py" "$@"
+timeout 295 $PY "$REPO/scripts/checks/gpu_check.py" "$@"
 rc=$?
 if [ $rc -eq 124 ]; then
     echo "FAIL  gpu_check.py ran past 295 s and was stopped"

@@ -1,4 +1,4 @@
-"""Inputs shared by tests/test_quantize.py and scripts/make_quant_fixtures.py (which records what
+"""Inputs shared by tests/test_quantize.py and scripts/fixtures/make_quant_fixtures.py (which records what
 llama.cpp makes of them in tests/data/quantize_llamacpp.json).
 
 Two small synthetic models with awkward shapes on purpose: rows of 128 and 288 weights (not whole

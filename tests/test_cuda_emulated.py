@@ -2,7 +2,7 @@
 (its grids, argument dtypes and uploads), against the NumPy twins of test_cuda_reference.py, for all
 13 quant types, under two thread schedules; and the stand-in's CuPy strictness.
 
-Needs g++ only (no CuPy, no GPU). Tolerances are those of scripts/gpu_check.py: the executor runs the
+Needs g++ only (no CuPy, no GPU). Tolerances are those of scripts/checks/gpu_check.py: the executor runs the
 kernels' own float operations in the GPU's order (same butterfly reductions), but with host libm
 (a few ulp on expf/tanhf/sinf) and no FMA contraction, so results are compared with tolerances and
 not bit for bit, except the pure bit decoding (dequantize) and the exact element-wise ops.
@@ -36,7 +36,7 @@ def gpu(request, monkeypatch):
     monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
     monkeypatch.setenv("CUDAEMU_ORDER", request.param)
     monkeypatch.setenv("CUDAEMU_SEED", "7")
-    planted = os.environ.get("EDGELLM_TEST_CUDA_SOURCES")  # scripts/cuda_mutations.py: a mutated copy
+    planted = os.environ.get("EDGELLM_TEST_CUDA_SOURCES")  # scripts/checks/cuda_mutations.py: a mutated copy
     if planted:
         monkeypatch.setattr("edgellm.kernels.cuda.SOURCE_DIR", Path(planted))
     from edgellm.kernels.cuda.backend import CudaBackend

@@ -22,7 +22,7 @@ import edgellm
 pytestmark = [pytest.mark.real, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA executor needs g++")]
 
-# a prompt of 58 (SmolLM2) / 59 (Gemma-3) tokens, teacher-forced in one batch, as scripts/cuda_kl.py
+# a prompt of 58 (SmolLM2) / 59 (Gemma-3) tokens, teacher-forced in one batch, as scripts/checks/cuda_kl.py
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
           "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, presses "
           "in more than two hundred European cities had produced millions of books, and the price of a "

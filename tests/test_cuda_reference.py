@@ -1,6 +1,6 @@
 """NumPy twins of the CUDA kernels, and the checks that hold them to the CPU backend and to the math.
 
-The functions at the top are deliberately plain (loops, float64) and are what scripts/gpu_check.py
+The functions at the top are deliberately plain (loops, float64) and are what scripts/checks/gpu_check.py
 compares every CUDA kernel against on a GPU machine; this module imports neither pytest nor CuPy so
 that script can import it. Dequantization's twin is gguf.quants.dequantize (QuantType.dequantize_reference).
 """

@@ -1,4 +1,4 @@
-"""Smoke run of scripts/fuzz_gguf.py: a thousand seeded mutations of a small synthetic file
+"""Smoke run of scripts/checks/fuzz_gguf.py: a thousand seeded mutations of a small synthetic file
 (header bytes, odd bytes in strings, boundary values, truncations, swapped dimensions), each opened as `edgellm info`
 opens a file, in a memory-capped worker with a timeout. Every outcome must be a clean error or a
 success: no traceback, signal, hang or memory blow-up."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edgellm.synthetic import write_synthetic_gguf
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_gguf.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "checks" / "fuzz_gguf.py"
 
 
 def test_fuzz_smoke(tmp_path):

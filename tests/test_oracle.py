@@ -1,4 +1,4 @@
-"""edgellm against llama.cpp: fixtures written by scripts/make_oracle.py with llama-cpp-python on the
+"""edgellm against llama.cpp: fixtures written by scripts/fixtures/make_oracle.py with llama-cpp-python on the
 same files (the real models, and synthetic files of every architecture and type rebuilt here from the
 same seed). Measures: token ids identical, teacher-forced top-1 agreement, KL(llama.cpp || edgellm),
 greedy continuations identical."""
@@ -15,7 +15,7 @@ import pytest
 import edgellm
 
 DATA = Path(__file__).parent / "data"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "fixtures"))
 import make_oracle  # noqa: E402  (the fixture writer: prompts, shapes and seeds live there)
 
 
@@ -91,7 +91,7 @@ def test_synthetic_matches_llamacpp(tmp_path, arch, tname):
 
     meta, (rec,) = load_fixture(f"synthetic_{arch}_{tname}")
     path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T[tname], **make_oracle.SYNTHETIC_SHAPE)
-    assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/make_oracle.py"
+    assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/fixtures/make_oracle.py"
     model = edgellm.load(path, n_ctx=64, n_batch=64)
     top1, kl = compare(model.logits(rec["tokens"]), rec)
     # random weights give flat, near-tied distributions: top-1 must agree wherever llama.cpp's

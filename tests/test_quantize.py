@@ -173,7 +173,7 @@ def test_files_equal_llama_quantize(models, tmp_path, name):
     """Every type: the output file is llama_model_quantize's, byte for byte (recorded hashes)."""
     want = FIXTURES["files"][name]
     assert sha(models[name].read_bytes()) == want["input_sha256"], "the synthetic input changed: " \
-        "re-record the fixtures with scripts/make_quant_fixtures.py"
+        "re-record the fixtures with scripts/fixtures/make_quant_fixtures.py"
     differ = []
     for ft in quant_cases.FILE_TYPES:
         out = tmp_path / f"{ft}.gguf"

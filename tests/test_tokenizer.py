@@ -1,6 +1,6 @@
 """Tokenizer: ids, pieces and text must be llama.cpp's, byte for byte.
 
-The fixtures tests/data/tokens_*.json were written by scripts/make_token_oracle.py from llama.cpp
+The fixtures tests/data/tokens_*.json were written by scripts/fixtures/make_token_oracle.py from llama.cpp
 (llama-cpp-python) for the two real models; the tokenizers here are built from the same files'
 metadata through GGUFFile. Small hand-made vocabularies check the merge rules on their own.
 """

@@ -89,9 +89,9 @@ STREAM_MIN_BYTES = 256 << 20
 
 
 def stream_bytes(cache: int | None = None, available: int | None = None) -> int:
-    """Size of the stream test's array: twice the largest cache (a read of an array that fits in
-    it measures the cache: on a VM with a 480 MiB L3, 35-36 GB/s at 256 MiB against 33.5 from
-    512 MiB on), at least STREAM_MIN_BYTES, at most a quarter of the available memory."""
+    """Size of the stream test's array: twice the largest cache (an array that fits in it measures
+    the cache, not the memory: docs/performance.md), at least STREAM_MIN_BYTES, at most a quarter
+    of the available memory."""
     import psutil
 
     cache = last_level_cache_bytes() if cache is None else cache

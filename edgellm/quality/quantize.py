@@ -141,8 +141,8 @@ _NP_VALUE_TYPES = {
 
 class _Writer(GGUFWriter):
     """gguf's writer, with metadata arrays kept as the reader returns them (NumPy arrays,
-    StringArray) and packed whole: gguf packs arrays element by element in Python, 4 s for
-    Gemma-3's three 262144-entry vocabulary arrays. Same bytes (tests/test_quantize.py)."""
+    StringArray) and packed whole: gguf packs arrays element by element in Python, slow for a
+    262144-entry vocabulary. Same bytes (tests/test_quantize.py)."""
 
     def _pack_val(self, val, vtype, add_vtype, sub_type=None) -> bytes:
         from edgellm.gguf_file import StringArray

@@ -36,8 +36,8 @@ NORM_THREADS = 256  # must match NORM_THREADS in norm_rope.cu
 ATTN_THREADS = 8 * 32  # ATTN_WARPS * 32 in attention.cu
 ATTN_MAX_HEAD_DIM = 256
 # Largest float32 buffer a prompt product dequantizes into (rows of W at a time): without the bound a
-# big output head took n_vocab * n_embd * 4 bytes (671 MiB for Gemma-3's 262144 x 640) on top of the
-# planned VRAM.
+# big output head would take n_vocab * n_embd * 4 bytes (671 MiB for Gemma-3's 262144 x 640) on top
+# of the planned VRAM.
 DEQUANT_BUFFER_BYTES = 32 << 20
 
 
