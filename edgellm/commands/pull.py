@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-KNOWN = ("smollm2-135m", "gemma3-270m")  # kept in step with edgellm.fetch.KNOWN_MODELS (tested)
+KNOWN = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # in step with edgellm.fetch.KNOWN_MODELS (tested)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
