@@ -137,7 +137,7 @@ def test_greedy_continuations_match_cpu(emulate, smollm2_path):
     5 identical; it is not met: 2 of 5 with the emulator's matmul summed exactly (the same on every
     machine), 3 or 4 of 5 with a float32 BLAS depending on the machine's OpenBLAS kernel — the GPU
     path's prompt products (float32 activations, not Q8_1) and attention order differ from the CPU's
-    (KL ~3e-3 at half the layers, docs/performance.md). Asserted: what it measures now, so that a
+    (KL ~3e-3 at half the layers, docs/perf-log/2026-12-01-gpu-path-emulated.md). Asserted: what it measures now, so that a
     change for the worse shows."""
     def continuations(gpu_layers):
         m = edgellm.load(smollm2_path, gpu_layers=gpu_layers, n_ctx=64, n_batch=64)
