@@ -67,7 +67,32 @@ def token_ids(tokens, n_vocab: int, what: str = "tokens") -> list[int]:
 
 
 SAMPLING_ARGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "stop",
-                 "ignore_eos", "cache_prompt")
+                 "ignore_eos", "cache_prompt", "logprobs")
+GRAMMAR_ARGS = ("json_schema", "grammar", "regex", "response_format")
+CHAT_ARGS = SAMPLING_ARGS + GRAMMAR_ARGS + ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def response_format_schema(rf):
+    """OpenAI's response_format as a JSON schema: None for text, {"type": "object"} for
+    json_object, the given schema for json_schema."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return rf.get("schema") or {"type": "object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if schema is None and isinstance(js, dict) and "name" not in js:
+            schema = js  # llama-server also takes the schema itself here
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidArgumentError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                       "\"schema\": {...}}}")
+        return schema
+    raise InvalidArgumentError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                               "{\"type\": \"json_schema\", \"json_schema\": {...}}")
 
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
@@ -116,6 +141,13 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
                  threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
                  kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
                  use_mmap=use_mmap)
+
+
+def _grammar_kwargs(kw: dict) -> dict:
+    unknown = sorted(set(kw) - set(GRAMMAR_ARGS) - {"logprobs"})
+    if unknown:
+        raise InvalidArgumentError(f"got an unknown argument {unknown[0]!r}")
+    return kw
 
 
 class _CompileReport:
@@ -169,6 +201,9 @@ class Model:
                              policy=policy, lock=self._lock)
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
+        from edgellm.grammar import VocabularyCache
+
+        self.grammar_vocab = VocabularyCache(self.tokenizer)  # llguidance's tokens, built on first use
 
     # --- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -230,13 +265,16 @@ class Model:
                top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
                repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
                stop: Iterable[str] = (), ignore_eos: bool = False, logprobs: int | None = None,
-               cache_prompt: bool = True) -> Request:
+               cache_prompt: bool = True, json_schema=None, grammar: str | None = None, regex: str | None = None,
+               response_format=None, constraint=None) -> Request:
         """Queue `prompt` (str or token ids) on the engine; returns a Request: an iterator of Chunks,
         with .cancel() and .stats. Thread-safe; concurrent requests are decoded together.
         logprobs=k: every Chunk carries the sampled token's logprob and the k most likely.
         cache_prompt (llama-server's name): take the longest cached prefix of the prompt from the KV
         cache; False evaluates the whole prompt, as a fresh context does (the same bits as
-        llama.cpp on a fresh context; a reused prefix changes the batch the rest is evaluated in)."""
+        llama.cpp on a fresh context; a reused prefix changes the batch the rest is evaluated in).
+        json_schema / grammar (GBNF) / regex / response_format (OpenAI's): the answer follows it
+        (one of them; edgellm/grammar.py)."""
         from edgellm.sampling import Sampler, SamplingParams
 
         params = SamplingParams(temperature=_real_arg("temperature", temperature), top_k=_int_arg("top_k", top_k, 0),
@@ -253,26 +291,45 @@ class Model:
         stop = list(stop) if hasattr(stop, "__iter__") else [stop]
         if not all(isinstance(x, str) for x in stop):
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
+        if constraint is None:
+            constraint = self.constraint(json_schema=json_schema, grammar=grammar, regex=regex,
+                                         response_format=response_format)
+        elif any(v is not None for v in (json_schema, grammar, regex, response_format)):
+            raise InvalidArgumentError("a request takes one grammar")
         ids = self._prompt_ids(prompt)
         with self._lock:  # eval()'s context gives its blocks back (they stay cached for reuse)
             self.runtime.reset()
         stream = SeqStream(self.tokenizer, list(stop), int(max_tokens), ignore_eos, self.n_ctx)
-        req = self.engine.submit(ids, Sampler(params), stream, logprobs, cache_prompt=bool(cache_prompt))
+        req = self.engine.submit(ids, Sampler(params, constraint), stream, logprobs, cache_prompt=bool(cache_prompt))
         req.stats.memory = self.stats.memory
         if max_tokens == 0:
             req.cancel()
         return req
 
+    def constraint(self, *, json_schema=None, grammar=None, regex=None, response_format=None):
+        """A fresh grammar Constraint for one request, or None when none is asked for."""
+        from edgellm.grammar import Constraint, grammar_text
+
+        rf = response_format_schema(response_format)
+        if rf is not None and json_schema is not None:
+            raise InvalidArgumentError("give response_format or json_schema, not both")
+        if all(v is None for v in (json_schema, rf, grammar, regex)):
+            return None
+        vocab = self.grammar_vocab.get()
+        text = grammar_text(vocab, json_schema=json_schema if rf is None else rf, grammar=grammar, regex=regex)
+        return Constraint(vocab, text)
+
     def generate(self, prompt, *, max_tokens: int = _sampling.MAX_TOKENS, temperature: float = _sampling.TEMPERATURE,
                  top_k: int = _sampling.TOP_K, top_p: float = _sampling.TOP_P, min_p: float = _sampling.MIN_P,
                  repeat_penalty: float = _sampling.REPEAT_PENALTY, seed: int | None = None,
-                 stop: Iterable[str] = (), ignore_eos: bool = False, cache_prompt: bool = True) -> Iterator[Chunk]:
+                 stop: Iterable[str] = (), ignore_eos: bool = False, cache_prompt: bool = True,
+                 **grammar) -> Iterator[Chunk]:
         """Complete `prompt` (str or token ids), streaming Chunks; `stats` follows this call. The
         longest cached prefix of the prompt is reused (a chat's earlier turns are not recomputed;
         cache_prompt=False evaluates it all). Breaking out of the loop frees the sequence."""
         req = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                           min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                          cache_prompt=cache_prompt)
+                          cache_prompt=cache_prompt, **_grammar_kwargs(grammar))
         self.stats = req.stats
         return self._follow(req)
 
@@ -314,23 +371,81 @@ class Model:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def chat(self, messages, **sampling) -> Iterator[Chunk]:
-        """Render `messages` with the file's chat template (ChatML if it has none) and stream the reply."""
-        unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+    def chat(self, messages, **kwargs) -> Iterator[Chunk]:
+        """Render `messages` with the file's chat template (ChatML if it has none) and stream the
+        reply. Takes the sampling arguments, a grammar (json_schema, grammar, regex,
+        response_format) and OpenAI's tools / tool_choice / parallel_tool_calls: the last Chunk
+        of an answer that calls tools carries them (`Chunk.tool_calls`, finish_reason
+        "tool_calls"). `submit_chat` returns the request itself."""
+        req = self.submit_chat(messages, **kwargs)
+        self.stats = req.stats
+        return self._follow(req)
+
+    def submit_chat(self, messages, *, tools=None, tool_choice=None, parallel_tool_calls=None, **kwargs):
+        """Queue a chat; returns an edgellm.toolcalls.ChatRequest (Chunks, `tool_calls`, `text()`,
+        `stats`, `cancel()`)."""
+        from edgellm import toolcalls as tc
+
+        unknown = sorted(set(kwargs) - set(SAMPLING_ARGS + GRAMMAR_ARGS))
         if unknown:
             raise InvalidArgumentError(f"chat() got an unknown argument {unknown[0]!r}; it takes "
-                                       f"{', '.join(SAMPLING_ARGS)}")
-        prompt = self.render_chat(messages)
-        return self.generate(prompt, **sampling)
+                                       f"{', '.join(CHAT_ARGS)}")
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise InvalidArgumentError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
+        messages = list(messages) if isinstance(messages, (list, tuple)) else messages
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgumentError("messages must be a non-empty list of {'role', 'content'} dicts")
+        tools = tc.check_tools(tools)
+        choice = tc.check_tool_choice(tool_choice, tools)
+        if not tools or choice == "none":
+            prompt = self.render_chat(messages, tools=tools or None)
+            return tc.ChatRequest(self.submit(prompt, **kwargs), self.tokenizer, None, [], False)
+        if any(kwargs.get(k) is not None for k in GRAMMAR_ARGS):
+            raise InvalidArgumentError("tools and a grammar (json_schema, grammar, regex, response_format) "
+                                       "cannot be combined")
+        parallel = bool(parallel_tool_calls) if parallel_tool_calls is not None else False
+        fmt = self.call_format()
+        msgs = tc.template_messages(messages, fmt)
+        if fmt is tc.GENERIC:
+            note = tc.generic_system_text(tools, choice, parallel)
+            if msgs[0].get("role") == "system":
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{note}"}
+            else:
+                msgs.insert(0, {"role": "system", "content": note})
+            prompt = self.render_chat(msgs)
+        else:
+            prompt = self.render_chat(msgs, tools=tools)
+        from edgellm.grammar import Constraint, check_grammar
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        vocab = self.grammar_vocab.get()
+        text, triggers = tc.call_grammar(vocab, fmt, tools, choice, parallel)
+        check_grammar(vocab, text, "tools")
+        constraint = Constraint(vocab, text, triggers)
+        req = self.submit(prompt, constraint=constraint, **kwargs)
+        return tc.ChatRequest(req, self.tokenizer, fmt, tools, holding=not triggers, triggers=triggers)
+
+    def call_format(self):
+        """The tool-call format of this file's chat template (edgellm.toolcalls)."""
+        from edgellm import toolcalls as tc
+
+        probe = [{"role": "user", "content": "x"}]
+        tool = [{"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {}}}]
+        renders = "probe_tool" in self.render_chat(probe, tools=tool)
+        return tc.detect_format(self.metadata.get("tokenizer.chat_template"), renders)
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        """Prompt text of `messages` (tool calls and results included, as llama-server renders
+        them) with the file's chat template."""
+        from edgellm import toolcalls as tc
         from edgellm.chat import render_chat
 
         tk = self.tokenizer
-        return render_chat(self.metadata.get("tokenizer.chat_template"), list(messages),
+        extra = {"tools": tc.check_tools(tools)} if tools else {}
+        return render_chat(self.metadata.get("tokenizer.chat_template"),
+                           tc.template_messages(list(messages), tc.FORMATS[0]),
                            bos_token=tk.token_text(tk.bos_id) if tk.bos_id is not None else "",
                            eos_token=tk.token_text(tk.eos_id) if tk.eos_id is not None else "",
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, **extra)
 
     # --- memory ---------------------------------------------------------------------------
     def memory(self) -> dict[str, dict[str, int]]:

@@ -23,6 +23,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" (EOS/EOT or stop string), "length", or None
     logprob: float | None = None  # log-probability of `token` (when asked for: logprobs=k)
     top_logprobs: tuple = ()  # ((token, logprob), ...) the k most likely tokens at this step
+    tool_calls: tuple = ()  # the last Chunk of a chat answer that called tools: edgellm.toolcalls.ToolCall
 
 
 @dataclass

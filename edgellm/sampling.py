@@ -53,11 +53,16 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """Draws one token from logits; with a grammar constraint (edgellm.grammar), draws from the
+    free distribution first and masks and draws again only when the grammar refuses the token
+    (llama.cpp's order), then advances the grammar."""
+
+    def __init__(self, params: SamplingParams, constraint=None):
         import numpy as np  # here, so that the command line reads the defaults without NumPy
 
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.constraint = constraint
 
     def __call__(self, logits, history: list[int] = ()) -> int:
         import numpy as np
@@ -70,7 +75,19 @@ class Sampler:
             vals = logits[recent]
             # llama.cpp: positive logits divided, negative multiplied
             logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        if p.temperature == 0:
+        tok = self._pick(logits)
+        c = self.constraint
+        if c is not None:
+            if not c.allows(tok):
+                c.masked += 1
+                tok = self._pick(c.mask(logits))
+            c.accept(tok)
+        return tok
+
+    def _pick(self, logits) -> int:
+        import numpy as np
+
+        if self.params.temperature == 0:
             return int(np.argmax(logits))
         return self._draw(logits)
 

@@ -297,8 +297,12 @@ def _shape(r, status: int) -> dict:
 
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools[0].function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": "root ::= \"a\""}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"temperature": 3.5}, "temperature"),

@@ -184,17 +184,18 @@ class Server:
     async def _complete(self, request: Request, p: P.Parsed) -> Response:
         self._check_model(p.model)
         self.engine.require()
+        extra = p.extra
         if p.kind == "chat":
             messages = p.prompt
 
-            def make_prompt(model):
-                return model.render_chat(messages)
+            def start(model, kwargs):
+                return model.submit_chat(messages, **kwargs, **extra)
         else:
             prompt = p.prompt
 
-            def make_prompt(model):
-                return prompt
-        stream = await self.engine.open(make_prompt, p.sampling.submit_kwargs(self.engine.model.n_ctx))
+            def start(model, kwargs):
+                return model.submit(prompt, **kwargs, **extra)
+        stream = await self.engine.open(start, p.sampling.submit_kwargs(self.engine.model.n_ctx))
         rid = ("chatcmpl-" if p.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         if p.stream:
             return _Events(self._sse(p, stream, rid), lambda: self._abandon(stream))
@@ -212,10 +213,11 @@ class Server:
                 self._finish(stream, "cancelled", 0, None, None)
         if not finished:
             return Response(status_code=499)  # nobody reads it
-        text, pieces, finish = collect.result()
+        text, pieces, finish, calls = collect.result()
         created = int(time.time())
         if p.kind == "chat":
-            body = P.chat_message(rid, created, self.name, text, finish, pieces, p.sampling.logprobs is not None)
+            body = P.chat_message(rid, created, self.name, text, finish, pieces, p.sampling.logprobs is not None,
+                                  calls)
         else:
             lp = P.completion_logprobs(pieces) if p.sampling.logprobs is not None else None
             body = P.completion_body(rid, created, self.name, text, finish, lp)
@@ -224,8 +226,8 @@ class Server:
         return JSONResponse(body)
 
     async def _collect(self, stream: Stream):
-        """(text, pieces that carry logprobs, finish_reason) once the request ends."""
-        parts, pieces, finish, n, first, last = [], [], None, 0, None, None
+        """(text, pieces that carry logprobs, finish_reason, tool calls) once the request ends."""
+        parts, pieces, finish, n, first, last, calls = [], [], None, 0, None, None, ()
         try:
             while (piece := await stream.next()) is not None:
                 n += 1
@@ -235,6 +237,7 @@ class Server:
                 if piece.logprob is not None and not piece.eog:
                     pieces.append(piece)
                 finish = piece.finish_reason or finish
+                calls = piece.tool_calls or calls
         except P.APIError:
             self._finish(stream, "error", n, first, last)
             raise
@@ -242,7 +245,7 @@ class Server:
             self._finish(stream, "shutdown", n, first, last)
             raise _SHUTDOWN
         self._finish(stream, finish or "stop", n, first, last)
-        return "".join(parts), pieces, finish or "stop"
+        return "".join(parts), pieces, finish or "stop", calls
 
     def _finish(self, stream: Stream, reason: str, n: int, first, last) -> None:
         if not stream.reported:  # once per request, however it ended
@@ -288,7 +291,14 @@ class Server:
                 last = piece.t
                 pieces = [piece] if want_lp and not piece.eog else []
                 if piece.finish_reason is not None:
-                    held = chunk(piece.text, piece.finish_reason, pieces)  # sent with the timings at the end
+                    if piece.tool_calls:  # content first, then each call: its id and name, its arguments
+                        if piece.text:
+                            yield _event(chunk(piece.text, None, pieces))
+                        for delta in P.tool_call_deltas(piece.tool_calls):
+                            yield _event(P.chat_chunk(rid, created, self.name, delta, None))
+                        held = chunk("", piece.finish_reason, [])
+                    else:
+                        held = chunk(piece.text, piece.finish_reason, pieces)  # sent with the timings at the end
                     reason = piece.finish_reason
                 elif piece.text or pieces:
                     yield _event(chunk(piece.text, None, pieces))

@@ -28,6 +28,7 @@ class Piece:
     top_logprobs: tuple = ()  # ((text, logprob), ...)
     eog: bool = False  # an end-of-generation token (left out of logprobs)
     t: float = 0.0  # perf_counter when it reached the server
+    tool_calls: tuple = ()  # the last piece of an answer that called tools
 
 
 _END = object()
@@ -50,11 +51,12 @@ class Stream:
     def _post(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def _run(self, make_prompt, kwargs: dict) -> None:
-        """The request's thread: submit, then forward every chunk."""
+    def _run(self, start, kwargs: dict) -> None:
+        """The request's thread: submit (`start(model, kwargs)` returns the Request), then forward
+        every chunk."""
         model = self.engine.model
         try:
-            req = model.submit(make_prompt(model), **kwargs)
+            req = start(model, kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which maps it
             self._post(exc)
             self._post(_END)
@@ -70,12 +72,12 @@ class Stream:
                 if self.cancelled.is_set():
                     break
                 piece = Piece(chunk.token, chunk.text, chunk.finish_reason, eog=tk.is_eog(chunk.token),
-                              t=time.perf_counter())
-                if want_lp:
+                              t=time.perf_counter(), tool_calls=chunk.tool_calls)
+                if want_lp and chunk.logprob is not None:
                     piece = Piece(piece.token, piece.text, piece.finish_reason, _token_text(tk, chunk.token),
                                   float(chunk.logprob),
                                   tuple((_token_text(tk, t), float(lp)) for t, lp in chunk.top_logprobs),
-                                  piece.eog, piece.t)
+                                  piece.eog, piece.t, chunk.tool_calls)
                 self._post(piece)
         except BaseException as exc:  # noqa: BLE001
             self._post(exc)
@@ -187,7 +189,7 @@ class Engine:
         if not self.loaded:
             raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading")
 
-    async def open(self, make_prompt, kwargs: dict) -> Stream:
+    async def open(self, start, kwargs: dict) -> Stream:
         """Admit a request and start it; raises APIError 503 when the queue is full."""
         self.require()
         if self.closing:
@@ -198,7 +200,7 @@ class Engine:
         stream = Stream(self, asyncio.get_running_loop())
         self.in_flight += 1
         self.streams.add(stream)
-        t = threading.Thread(target=self._run, args=(stream, make_prompt, kwargs), name="edgellm-request",
+        t = threading.Thread(target=self._run, args=(stream, start, kwargs), name="edgellm-request",
                              daemon=True)
         t.start()
         try:
@@ -208,9 +210,9 @@ class Engine:
             raise
         return stream
 
-    def _run(self, stream: Stream, make_prompt, kwargs: dict) -> None:
+    def _run(self, stream: Stream, start, kwargs: dict) -> None:
         try:
-            stream._run(make_prompt, kwargs)
+            stream._run(start, kwargs)
         finally:
             stream.loop.call_soon_threadsafe(self._done, stream)
 

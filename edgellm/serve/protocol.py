@@ -1,9 +1,11 @@
 """The OpenAI wire format: request bodies checked field by field into what `Model.submit` takes, and
 the JSON shapes of responses, stream chunks and errors.
 
-Every field a body may carry is named here. A field edgellm does not implement (tools, n > 1,
-response_format, ...) or does not know at all is a 400 that names it, never silently ignored, so a
-client learns at once what this server will not do for it.
+Every field a body may carry is named here. A field edgellm does not implement (n > 1, logit_bias,
+...) or does not know at all is a 400 that names it, never silently ignored, so a client learns at
+once what this server will not do for it. Tools, response_format and llama-server's grammar /
+json_schema are checked here for shape and by the model for meaning (a schema that does not
+compile is a 400 naming the field).
 """
 from __future__ import annotations
 
@@ -66,12 +68,13 @@ class Parsed:
     model: str | None
     stream: bool = False
     include_usage: bool = False
+    extra: dict = field(default_factory=dict)  # grammar and tool arguments of Model.submit_chat / submit
 
 
 # Fields each endpoint accepts; "unsupported" ones are accepted only at their no-op value.
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
            "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "logprobs", "user", "n",
-           "ignore_eos"}
+           "ignore_eos", "grammar", "json_schema", "response_format"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "functions", "function_call", "response_format", "parallel_tool_calls", "logit_bias",
                          "store", "metadata", "modalities", "audio", "prediction", "reasoning_effort",
@@ -79,18 +82,16 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix", "logit_bias"}
 # field -> the values that mean "not used" (anything else is a 400 naming the field)
 _NO_OP = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-          "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-          "parallel_tool_calls": (None, False, True), "logit_bias": (None, {}), "store": (None, False),
+          "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}), "store": (None, False),
           "metadata": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
           "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "web_search_options": (None,),
           "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
 _WHY = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported",
         "presence_penalty": "presence_penalty is not supported (use repeat_penalty)",
         "frequency_penalty": "frequency_penalty is not supported (use repeat_penalty)",
-        "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-        "functions": "function calls are not supported", "function_call": "function calls are not supported",
-        "response_format": "only response_format {\"type\": \"text\"} is supported"}
-ROLES = ("system", "developer", "user", "assistant")
+        "functions": "the legacy 'functions' are not supported (use 'tools')",
+        "function_call": "the legacy 'function_call' is not supported (use 'tool_choice')"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -106,9 +107,73 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
                                     for v in ok):
             raise _bad(f"'{name}': {_WHY.get(name, f'{name} is not supported')} by this server", name,
                        "unsupported_parameter")
+
+
+def _grammar_fields(body: dict) -> dict:
+    """response_format, llama-server's grammar (GBNF) and json_schema: at most one, checked for shape."""
+    out = {}
     rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _bad(f"'response_format': {_WHY['response_format']}", "response_format", "unsupported_parameter")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise _bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                       "response_format")
+        if rf["type"] == "json_schema" and not isinstance(rf.get("json_schema"), dict):
+            raise _bad("'response_format': json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       "response_format")
+        if rf["type"] != "text":
+            out["response_format"] = rf
+    if body.get("grammar") is not None:
+        if not isinstance(body["grammar"], str):
+            raise _bad("'grammar' must be a GBNF grammar (a string)", "grammar")
+        out["grammar"] = body["grammar"]
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], (dict, bool)):
+            raise _bad("'json_schema' must be a JSON schema object", "json_schema")
+        out["json_schema"] = body["json_schema"]
+    if len(out) > 1:
+        names = sorted(out)
+        raise _bad(f"'{names[0]}' and '{names[1]}' cannot be combined: a request takes one grammar", names[1])
+    return out
+
+
+def _tool_fields(body: dict) -> dict:
+    out = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise _bad(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           f"tools[{i}]")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise _bad(f"'tools[{i}].function.parameters' must be a JSON schema object",
+                           f"tools[{i}].function.parameters")
+        if tools:
+            out["tools"] = tools
+    choice = body.get("tool_choice")
+    if choice is not None:
+        ok = choice in ("auto", "none", "required") or (
+            isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str))
+        if not ok:
+            raise _bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", "tool_choice")
+        if isinstance(choice, dict) and choice["function"]["name"] not in \
+                {t["function"]["name"] for t in out.get("tools", [])}:
+            raise _bad(f"'tool_choice' names {choice['function']['name']!r}, which is not among the tools",
+                       "tool_choice")
+        if choice == "required" and not out.get("tools"):
+            raise _bad("'tool_choice': \"required\" needs 'tools'", "tool_choice")
+        out["tool_choice"] = choice
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None:
+        if not isinstance(ptc, bool):
+            raise _bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        out["parallel_tool_calls"] = ptc
+    return out
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
@@ -213,17 +278,39 @@ def parse_chat(body) -> Parsed:
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
         for key in msg:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id", "refusal"):
                 raise _bad(f"messages[{i}].{key} is not supported", f"messages[{i}].{key}")
         role = "system" if msg["role"] == "developer" else msg["role"]
-        clean.append({"role": role, "content": _content(msg, i)})
+        m = {"role": role, "content": _content(msg, i)}
+        if msg.get("tool_calls") is not None:
+            calls = msg["tool_calls"]
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str)
+                    and isinstance(c["function"].get("arguments", "{}"), (str, dict)) for c in calls):
+                raise _bad(f"messages[{i}].tool_calls must be an assistant's list of {{\"id\", \"type\": "
+                           "\"function\", \"function\": {\"name\", \"arguments\"}}", f"messages[{i}].tool_calls")
+            m["tool_calls"] = calls
+        if role == "tool":
+            tid = msg.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise _bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            if tid is not None:
+                m["tool_call_id"] = tid
+        if isinstance(msg.get("name"), str):
+            m["name"] = msg["name"]
+        clean.append(m)
     s = _sampling(body, "max_completion_tokens")
     if _flag(body, "logprobs"):
         s.logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True) or 0
     elif body.get("top_logprobs") is not None:
         raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, include_usage = _stream_options(body)
-    return Parsed("chat", clean, s, _model(body), stream, include_usage)
+    extra = {**_grammar_fields(body), **_tool_fields(body)}
+    if extra.get("tools") and extra.get("tool_choice") != "none" and set(extra) & {"grammar", "json_schema",
+                                                                                   "response_format"}:
+        raise _bad("'tools' cannot be combined with a grammar or response_format", "tools")
+    return Parsed("chat", clean, s, _model(body), stream, include_usage, extra)
 
 
 def parse_completion(body) -> Parsed:
@@ -243,7 +330,7 @@ def parse_completion(body) -> Parsed:
     k = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     s.logprobs = k
     stream, include_usage = _stream_options(body)
-    return Parsed("completion", prompt, s, _model(body), stream, include_usage)
+    return Parsed("completion", prompt, s, _model(body), stream, include_usage, _grammar_fields(body))
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -287,9 +374,13 @@ def completion_logprobs(pieces, offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_message(rid: str, created: int, model: str, text: str, finish: str | None, pieces, logprobs: bool) -> dict:
+def chat_message(rid: str, created: int, model: str, text: str, finish: str | None, pieces, logprobs: bool,
+                 tool_calls=()) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": [c.to_openai() for c in tool_calls]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs(pieces) if logprobs else None, "finish_reason": finish}]}
 
 
@@ -299,6 +390,17 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
             "choices": [{"index": 0, "delta": delta,
                          "logprobs": chat_logprobs(pieces) if logprobs and pieces else None,
                          "finish_reason": finish}]}
+
+
+def tool_call_deltas(calls) -> list[dict]:
+    """Streamed tool calls in OpenAI's shape: per call, a delta with its id and name, then one with
+    its arguments."""
+    out = []
+    for i, c in enumerate(calls):
+        out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    return out
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str | None, logprobs=None) -> dict:
