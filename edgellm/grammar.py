@@ -83,6 +83,21 @@ class VocabularyCache:
             return self._vocab
 
 
+def closed_objects(schema):
+    """A copy of a JSON schema where an object with listed properties and no
+    additionalProperties takes no others (llama.cpp's default for schemas it turns into grammars:
+    a small model otherwise invents keys without end)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(vocab: Vocabulary, *, json_schema=None, grammar: str | None = None, regex: str | None = None,
                  lark: str | None = None) -> str | None:
     """One llguidance grammar from at most one of the fields (None when none is given); an
@@ -98,8 +113,13 @@ def grammar_text(vocab: Vocabulary, *, json_schema=None, grammar: str | None = N
     field, value = given[0]
     try:
         if field == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidArgumentError(f"json_schema is not JSON: {exc}") from None
             if isinstance(value, (bool, dict)):
-                value = json.dumps(value)
+                value = json.dumps(closed_objects(value))
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"json_schema must be a JSON object (a dict or its text), not "
                                            f"{type(value).__name__}")

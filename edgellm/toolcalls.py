@@ -166,9 +166,11 @@ def generic_system_text(tools: list[dict], choice: str, parallel: bool) -> str:
 
 # --- the grammar -------------------------------------------------------------------------------------
 def _call_schema(tools: list[dict], fmt: CallFormat) -> dict:
+    from edgellm.grammar import closed_objects
+
     options = [{"type": "object",
                 "properties": {"name": {"const": t["function"]["name"]},
-                               fmt.args_key: t["function"].get("parameters", {"type": "object"})},
+                               fmt.args_key: closed_objects(t["function"].get("parameters", {"type": "object"}))},
                 "required": ["name", fmt.args_key], "additionalProperties": False} for t in tools]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
