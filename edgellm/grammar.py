@@ -98,6 +98,18 @@ def closed_objects(schema):
     return out
 
 
+# Whitespace inside JSON as llama.cpp's schema grammars bound it (a space, or one or two newlines
+# and up to 20 indents): an unbounded run lets a small model pad until max_tokens.
+JSON_SPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+
+
+def bounded_space(schema):
+    """`schema` with llguidance's JSON whitespace bounded, unless it sets its own `x-guidance`."""
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        return {**schema, "x-guidance": {"whitespace_pattern": JSON_SPACE}}
+    return schema
+
+
 def grammar_text(vocab: Vocabulary, *, json_schema=None, grammar: str | None = None, regex: str | None = None,
                  lark: str | None = None) -> str | None:
     """One llguidance grammar from at most one of the fields (None when none is given); an
@@ -119,7 +131,7 @@ def grammar_text(vocab: Vocabulary, *, json_schema=None, grammar: str | None = N
                 except ValueError as exc:
                     raise InvalidArgumentError(f"json_schema is not JSON: {exc}") from None
             if isinstance(value, (bool, dict)):
-                value = json.dumps(closed_objects(value))
+                value = json.dumps(bounded_space(closed_objects(value)))
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"json_schema must be a JSON object (a dict or its text), not "
                                            f"{type(value).__name__}")

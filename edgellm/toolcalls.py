@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from edgellm.errors import InvalidArgumentError
+from edgellm.grammar import bounded_space
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -188,20 +189,20 @@ def call_grammar(vocab, fmt: CallFormat, tools: list[dict], choice: str, paralle
         if choice == "auto":
             answer = {"anyOf": [answer, {"type": "object", "properties": {"response": {"type": "string"}},
                                          "required": ["response"], "additionalProperties": False}]}
-        return f"start: %json {json.dumps(answer)}\n", []
+        return f"start: %json {json.dumps(bounded_space(answer))}\n", []
     if fmt.listed:
         body = {"type": "array", "items": schema, "minItems": 1}
         if not parallel:
             body["maxItems"] = 1
         lines = [f"start: {vocab.literal(fmt.open)} calls" + (f" {vocab.literal(fmt.close)}" if fmt.close else ""),
-                 f"calls: %json {json.dumps(body)}"]
+                 f"calls: %json {json.dumps(bounded_space(body))}"]
     else:
         wrap = [vocab.literal(fmt.open) + ' "\\n"'] if fmt.open else []
         tail = ['"\\n" ' + vocab.literal(fmt.close)] if fmt.close else []
         more = ' ("\\n" call)*' if parallel else ""
         lines = [f"start: call{more}",
                  "call: " + " ".join(wrap + ["body"] + tail),
-                 f"body: %json {json.dumps(schema)}"]
+                 f"body: %json {json.dumps(bounded_space(schema))}"]
     triggers = []
     if choice == "auto" and fmt.open and fmt.open in vocab.special:
         triggers = [vocab.special[fmt.open]]
