@@ -130,11 +130,16 @@ def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m):
     from edgellm.speculative import SPEC_TYPES, SpecParams
 
     if not isinstance(spec_type, str) or spec_type not in SPEC_TYPES:
-        raise InvalidArgumentError(f"spec_type must be one of {', '.join(SPEC_TYPES)}, not {spec_type!r}")
-    return SpecParams(spec_type=spec_type, n_max=_int_arg("the draft length spec_draft_n_max", n_max, 1, 1 << 16),
-                      n_min=_int_arg("spec_draft_n_min", n_min, 0, 1 << 16),
-                      ngram_n=_int_arg("spec_ngram_size_n", ngram_n, 1, 1 << 16),
-                      ngram_m=_int_arg("spec_ngram_size_m", ngram_m, 1, 1 << 16))
+        raise InvalidArgumentError(f"spec_type (--spec-type) must be one of {', '.join(SPEC_TYPES)}, "
+                                   f"not {spec_type!r}")
+    if spec_type == "draft-simple":
+        raise InvalidArgumentError("spec type 'draft-simple' (a draft model) is not supported yet; "
+                                   "use 'ngram-simple' (prompt lookup)")
+    return SpecParams(spec_type=spec_type,
+                      n_max=_int_arg("the draft length spec_draft_n_max (--spec-draft-n-max)", n_max, 1, 1 << 16),
+                      n_min=_int_arg("spec_draft_n_min (--spec-draft-n-min)", n_min, 0, 1 << 16),
+                      ngram_n=_int_arg("spec_ngram_size_n (--spec-ngram-simple-size-n)", ngram_n, 1, 1 << 16),
+                      ngram_m=_int_arg("spec_ngram_size_m (--spec-ngram-simple-size-m)", ngram_m, 1, 1 << 16))
 
 
 class _CompileReport:
