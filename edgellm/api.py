@@ -97,7 +97,8 @@ def response_format_schema(rf):
 
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
-         quiet: bool = True, use_mmap: bool | None = None) -> "Model":
+         quiet: bool = True, use_mmap: bool | None = None, spec_type: str = "none", spec_draft_n_max: int = 16,
+         spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
@@ -105,7 +106,12 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     policy: "continuous" batching (default) or "static" (a batch ends when its longest member ends).
     use_mmap: True keeps the CPU layers' weights in the file mapping; False copies them into huge-page
     memory (faster decode: edgellm/resident.py); None (default) copies when the machine has
-    transparent huge pages and the file takes under half the available memory."""
+    transparent huge pages and the file takes under half the available memory.
+    spec_type (llama.cpp's --spec-type): "none", or "ngram-simple" (speculative decoding by prompt
+    lookup: the tokens that followed the last earlier occurrence of the latest n-gram are verified
+    in one step; the same tokens as plain decoding, faster on text that repeats its context);
+    spec_draft_n_max / _n_min: the most / fewest tokens proposed in a step; spec_ngram_size_n / _m:
+    the longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m)."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -126,6 +132,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     from edgellm.scheduler import POLICIES
 
     _check_kv_type(kv_type)
+    spec = spec_params(spec_type, spec_draft_n_max, spec_draft_n_min, spec_ngram_size_n, spec_ngram_size_m)
     if policy not in POLICIES:
         raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if use_mmap is not None and not isinstance(use_mmap, bool):
@@ -140,7 +147,24 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
                  threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
                  kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
-                 use_mmap=use_mmap)
+                 use_mmap=use_mmap, spec=spec)
+
+
+def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m):
+    """load()'s speculative decoding settings as a SpecParams, or an InvalidArgumentError."""
+    from edgellm.speculative import SPEC_TYPES, SpecParams
+
+    if not isinstance(spec_type, str) or spec_type not in SPEC_TYPES:
+        raise InvalidArgumentError(f"spec_type (--spec-type) must be one of {', '.join(SPEC_TYPES)}, "
+                                   f"not {spec_type!r}")
+    if spec_type == "draft-simple":
+        raise InvalidArgumentError("spec type 'draft-simple' (a draft model) is not supported yet; "
+                                   "use 'ngram-simple' (prompt lookup)")
+    return SpecParams(spec_type=spec_type,
+                      n_max=_int_arg("the draft length spec_draft_n_max (--spec-draft-n-max)", n_max, 1, 1 << 16),
+                      n_min=_int_arg("spec_draft_n_min (--spec-draft-n-min)", n_min, 0, 1 << 16),
+                      ngram_n=_int_arg("spec_ngram_size_n (--spec-ngram-simple-size-n)", ngram_n, 1, 1 << 16),
+                      ngram_m=_int_arg("spec_ngram_size_m (--spec-ngram-simple-size-m)", ngram_m, 1, 1 << 16))
 
 
 def _grammar_kwargs(kw: dict) -> dict:
@@ -164,7 +188,7 @@ class _CompileReport:
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
-                 use_mmap: bool = True):
+                 use_mmap: bool = True, spec=None):
         from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -198,7 +222,7 @@ class Model:
             report.done()
         self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'
         self.engine = Engine(self.runtime, self.tokenizer, n_seq=n_seq, n_batch=self.n_batch, n_ctx=n_ctx,
-                             policy=policy, lock=self._lock)
+                             policy=policy, lock=self._lock, spec=spec)
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
         from edgellm.grammar import VocabularyCache

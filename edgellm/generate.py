@@ -46,6 +46,8 @@ class Stats:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> term -> bytes
     n_past: int = 0  # tokens in the sequence's context
     n_ctx: int = 0
+    draft_n: int = 0  # speculative decoding: tokens proposed and verified (llama-server's names)
+    draft_n_accepted: int = 0  # of those, the ones kept
 
 
 class SeqStream:

@@ -440,6 +440,17 @@ class SeqKV:
                         table[i] = None
         self.n_registered = n_full
 
+    def trim(self) -> None:
+        """Give back the blocks past the last committed token: those grown for speculative tokens
+        that were rejected (never hashed, so they go straight back to the free list)."""
+        need = -(-self.n_past // self.cache.block_size)
+        for gi, g in enumerate(self.cache.groups):
+            table = self.tables[gi]
+            while len(table) > need:
+                b = table.pop()
+                if b is not None:
+                    g.pool.release(b)
+
     def free(self) -> None:
         """Give every block back (full ones stay cached for reuse, and so does the last, partial one:
         a chat's next turn starts with all of this sequence's tokens)."""

@@ -187,22 +187,47 @@ class Runtime:
             self._kernels_loaded = n
 
     # ---------------------------------------------------------------------------------------
+    def exact_decode_rows(self) -> int:
+        """The most single-token rows one step may hold with every row still in the one-token order
+        (the bits it gets decoded alone): the fused decode kernel's cap for the weights' types, which
+        the unfused products keep too (K-quant batches tile from 8 rows on); 1 when some product
+        would take a batch order (float weights, a GPU layer)."""
+        from edgellm.backend import QMatrix
+        from edgellm.kernels.cpu import fused
+        from edgellm.models.decoder import ALONE_MAX
+
+        if any(d != "cpu" for d in self.layer_devices) or self.output_device != "cpu":
+            return 1
+        mats = [w for L in self.model.blocks for w in vars(L).values() if isinstance(w, QMatrix)]
+        mats += [self.model.output] if isinstance(self.model.output, QMatrix) else []
+        types = {int(w.ggml_type) for w in mats}
+        if not mats or not types <= fused.ROW_TYPES or not isinstance(self.model.output, QMatrix):
+            return 1
+        return min(ALONE_MAX, fused.max_tokens(types))
+
     def kv_bytes(self) -> dict[str, int]:
         return self.cache.nbytes()
 
     # --- one step over a ragged batch -------------------------------------------------------------
-    def forward(self, entries, rows=None) -> np.ndarray:
+    def forward(self, entries, rows=None, hold=()) -> np.ndarray:
         """One forward step. entries: [(SeqKV, token ids int64 (n,))] — each sequence's tokens go at
         its next positions; entries of one token first; blocks for them must have been allocated
-        (SeqKV.grow). rows: indices (into the concatenated tokens) whose logits are returned, None
-        for all. Returns host float32 (n_rows, n_vocab); the sequences are committed (their tokens
-        are in the cache)."""
+        (SeqKV.grow). A SeqKV may appear in several entries (speculative verification: one
+        single-token entry per position); its entries take consecutive positions in order. Every
+        step writes all its K/V before any attention, so each entry sees the earlier ones' keys.
+        rows: indices (into the concatenated tokens) whose logits are returned, None for all.
+        Returns host float32 (n_rows, n_vocab); the sequences are committed (their tokens are in the
+        cache) except those in `hold`, whose caller commits only the tokens it keeps."""
         from edgellm.kv_cache import build_layouts
 
         for b in self.backends.values():
             b.claim_thread()
         ids = np.concatenate([e[1] for e in entries]).astype(np.int64, copy=False)
-        pos_list = [np.arange(seq.n_past, seq.n_past + len(t), dtype=np.int64) for seq, t in entries]
+        pos_list, taken = [], {}  # id(SeqKV) -> tokens placed so far in this step
+        for seq, t in entries:
+            p0 = seq.n_past + taken.get(id(seq), 0)
+            taken[id(seq)] = taken.get(id(seq), 0) + len(t)
+            pos_list.append(np.arange(p0, p0 + len(t), dtype=np.int64))
         pos = np.concatenate(pos_list)
         layouts = build_layouts(self.cache, [(seq, p) for (seq, _), p in zip(entries, pos_list)])
         for il, lk in enumerate(self.kv):
@@ -243,8 +268,10 @@ class Runtime:
             logits = self.model.head(x)
             timing.add(ob.device, time.perf_counter() - t0)
         timing.tokens += n
+        held = {id(seq) for seq in hold}
         for seq, t in entries:
-            seq.commit(t)
+            if id(seq) not in held:
+                seq.commit(t)
         return logits
 
     def _cross(self, x, src, dst):

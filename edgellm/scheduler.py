@@ -12,6 +12,13 @@ earlier turns, or a shared system prompt) and evaluates only the rest. When the 
 for a running sequence's next token, the newest sequence is preempted: its blocks go back (the full
 ones stay cached, so its recomputation is mostly a prefix hit) and it waits at the head of the
 queue with its prompt and the tokens generated so far as its new prompt.
+
+Speculative decoding (`spec`, edgellm/speculative.py; prompt lookup, llama.cpp's `ngram-simple`):
+while one sequence runs alone, its step may also verify tokens proposed by looking its last n-gram
+up in its own tokens. They go in as consecutive single-token entries (each in the one-token order,
+so every verified position gets plain decoding's logits), the sampler walks them (`verify`), only
+the kept tokens are committed to the cache and the rest of the step's blocks go back. With more
+than one sequence running (or waiting) the engine stands down and proposes nothing.
 """
 from __future__ import annotations
 
@@ -24,9 +31,11 @@ import numpy as np
 
 from edgellm.errors import ContextFullError, InvalidArgumentError, KVCacheFullError
 from edgellm.generate import _END, Request, SeqStream, Stats, logprobs_of, now
+from edgellm.speculative import DraftLength, PromptLookup, SpecParams, verify
 
 POLICIES = ("continuous", "static")
 IDLE_S = 2.0  # the engine thread ends after this long without work
+PROBE_EVERY = 16  # a sequence whose draft length is 0 still verifies a proposal once in this many steps
 HANDOFF_S = 0.05  # the engine thread leaves the steps to a caller that ran one this recently
 
 
@@ -55,6 +64,10 @@ class SeqState:
         self.t_first = 0.0
         self.decode_steps = 0
         self.device_s: dict[str, float] = {}
+        self.lookup: PromptLookup | None = None  # speculative decoding: the sequence's n-grams
+        self.draft: DraftLength | None = None  # ... and how many tokens to propose
+        self.proposal: list[int] = []  # tokens proposed for the step being run
+        self.idle_steps = 0  # steps in a row with a proposal found but none chosen
 
     @property
     def prefilling(self) -> bool:
@@ -63,9 +76,17 @@ class SeqState:
 
 class Engine:
     def __init__(self, runtime, tokenizer, *, n_seq: int, n_batch: int, n_ctx: int, policy: str = "continuous",
-                 lock: threading.RLock | None = None):
+                 lock: threading.RLock | None = None, spec: SpecParams | None = None):
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        if spec is not None and spec.spec_type == "draft-simple":
+            raise InvalidArgumentError("spec type 'draft-simple' (a draft model) is not supported yet; "
+                                       "use 'ngram-simple' (prompt lookup)")
+        self.spec = spec if spec is not None and spec.spec_type == "ngram-simple" else None
+        # rows a verification step may hold: the whole step must stay in the one-token order
+        self.spec_rows = runtime.exact_decode_rows() if self.spec is not None else 1
+        self._step_s: dict = {}  # tokens in a lone sequence's step -> EWMA seconds (DraftLength.step_s)
+        self._step_sizes: set = set()  # sizes run once: a size's first step (scratch buffers) is not timed
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.n_seq = n_seq
@@ -100,6 +121,10 @@ class Engine:
             raise InvalidArgumentError("the model is closed")
         state = SeqState(ids, sampler, stream, logprobs, Stats(prompt_tokens=len(ids), n_ctx=self.n_ctx))
         state.cache_prompt = cache_prompt
+        if self.spec is not None and self.spec_rows > 1:
+            state.lookup = PromptLookup(self.spec.ngram_n, self.spec.ngram_m)
+            state.lookup.extend(ids)
+            state.draft = DraftLength(self.spec.n_max, self.spec.n_min, step_s=self._step_s)
         req = state.request = Request(self, state)
         with self._cv:
             self.waiting.append(state)
@@ -236,6 +261,7 @@ class Engine:
                 victim.prompt = victim.prompt[:victim.n_done] + [victim.next_token]
                 victim.next_token = None
             victim.n_done = 0
+            victim.proposal = []
             victim.stats.preemptions += 1
             self.counters["preemptions"] += 1
             self.waiting.appendleft(victim)
@@ -263,9 +289,16 @@ class Engine:
         prompt chunks, within n_batch tokens."""
         budget = self.n_batch
         singles, chunks = [], []  # (state, token ids)
-        # 1. one token for every decoding sequence (oldest first; preempt the newest if short)
+        # 1. one token for every decoding sequence (oldest first; preempt the newest if short), and
+        # a lone sequence's proposed tokens
         for s in sorted(self.running, key=lambda s: s.t_admit):
             if s.prefilling or s not in self.running:
+                continue
+            proposal = self._proposal(s)
+            if proposal and s.kv.grow(1 + len(proposal)):
+                s.proposal = proposal
+                singles.append((s, [s.next_token] + proposal))
+                budget -= 1 + len(proposal)
                 continue
             while s in self.running and not s.kv.grow(1):
                 self._preempt()
@@ -298,23 +331,51 @@ class Engine:
             budget -= n
         return singles + chunks
 
+    def _proposal(self, s: SeqState) -> list[int]:
+        """Tokens to verify after s's next token this step: prompt lookup's, as many as DraftLength
+        chooses; none unless s runs alone (nothing else running or waiting)."""
+        if s.lookup is None:
+            return []
+        with self._cv:
+            if len(self.running) != 1 or self.waiting:
+                return []
+        room = min(self.spec_rows, self.n_batch, self.n_ctx - s.kv.n_past, s.stream.max_tokens - s.stream.n) - 1
+        if room <= 0:
+            return []
+        found = s.lookup.propose(min(room, self.spec.n_max))
+        k = s.draft.choose(len(found))
+        if found and not k:  # stood down: now and then verify anyway, so acceptance and cost stay current
+            s.idle_steps += 1
+            if s.idle_steps >= PROBE_EVERY and len(found) >= max(self.spec.n_min, 1):
+                s.idle_steps, k = 0, len(found)
+        return found[:k]
+
     def step(self) -> None:
         self._drop_cancelled()
         work = self._schedule()
         if not work:
             return
-        entries, rows, samplers = [], [], []
+        entries, rows, samplers, hold = [], [], [], []  # samplers: (state, its first row, rows)
         t = 0
         for s, toks in work:
+            decoding = not s.prefilling
+            if decoding and s.proposal:  # one single-token entry per position: the one-token order
+                entries += [(s.kv, np.asarray([tok], np.int64)) for tok in toks]
+                hold.append(s.kv)
+                samplers.append((s, len(rows), len(toks)))
+                rows += range(t, t + len(toks))
+                t += len(toks)
+                continue
             entries.append((s.kv, np.asarray(toks, np.int64)))
             t += len(toks)
-            decoding = not s.prefilling
             if decoding or s.n_done + len(toks) == len(s.prompt):
+                samplers.append((s, len(rows), 1))
                 rows.append(t - 1)
-                samplers.append(s)
         timing = self.runtime.timing
         before = dict(timing.seconds)
-        logits = self.runtime.forward(entries, rows=rows)
+        t0 = now()
+        logits = self.runtime.forward(entries, rows=rows, hold=hold)
+        wall = now() - t0
         step_s = {d: timing.seconds.get(d, 0.0) - before.get(d, 0.0) for d in timing.seconds}
         self.counters["steps"] += 1
         for s, toks in work:
@@ -322,24 +383,62 @@ class Engine:
                 s.n_done += len(toks)
                 self.counters["prompt_tokens"] += len(toks)
             else:
-                s.n_done += 1
-                s.prompt.append(s.next_token)
-                s.next_token = None
                 s.decode_steps += 1
                 for d, sec in step_s.items():
                     s.device_s[d] = s.device_s.get(d, 0.0) + sec
-        for i, s in enumerate(samplers):
-            self._sample(s, logits[i])
+                if s.draft is not None and len(work) == 1:
+                    if len(toks) in self._step_sizes:  # a lone sequence's step: its cost by size
+                        s.draft.record_step(len(toks), wall)
+                    self._step_sizes.add(len(toks))
+                if s.proposal:
+                    continue  # committed by _verify
+                s.n_done += 1
+                s.prompt.append(s.next_token)
+                s.next_token = None
+        for s, r0, n in samplers:
+            if n > 1:
+                self._verify(s, logits[r0:r0 + n])
+            else:
+                self._sample(s, logits[r0])
         shape = (len(entries), t)
         if shape not in self._shapes:  # a batch of a new shape may have loaded kernels
             self._shapes.add(shape)
             self.runtime._release_compiler()
 
+    def _verify(self, s: SeqState, logits: np.ndarray) -> None:
+        """s's verification step: the sampler's draws over the rows (`verify`), each kept token
+        streamed as plain decoding would stream it (tokens past a finish are dropped); only the
+        tokens plain decoding would have evaluated go into the cache, the other blocks go back."""
+        proposal, s.proposal = s.proposal, []
+        kept = verify(s.sampler, logits, proposal, s.history)
+        s.draft.record(len(proposal), len(kept) - 1)
+        s.stats.draft_n += len(proposal)
+        s.stats.draft_n_accepted += len(kept) - 1
+        n_past0 = s.kv.n_past
+        chunks = []
+        for j, tok in enumerate(kept):
+            chunks.append(self._emit(s, tok, logits[j], n_past0 + j + 1))
+            if chunks[-1].finish_reason is not None:
+                break
+        evaluated = ([s.next_token] + kept)[:len(chunks)]  # the tokens before each emitted one
+        s.kv.commit(evaluated)
+        s.kv.trim()
+        s.n_done += len(evaluated)
+        s.prompt += evaluated
+        s.next_token = None
+        for c in chunks[:-1]:
+            s.request._put(c)
+        self._deliver(s, chunks[-1])
+
     def _sample(self, s: SeqState, logits: np.ndarray) -> None:
         tok = s.sampler(logits, s.history)
+        self._deliver(s, self._emit(s, tok, logits, s.kv.n_past))
+
+    def _emit(self, s: SeqState, tok: int, logits: np.ndarray, n_past: int):
+        """The chunk of s's sampled token `tok` (the sequence then holding n_past tokens), with
+        the stats and history updated."""
         t = now()
         st = s.stats
-        n_past = s.kv.n_past
         if s.stream.n == 0:
             s.t_first = t
             st.ttft_s = t - s.t_submit
@@ -362,6 +461,13 @@ class Engine:
             st.device_ms = {d: 1000 * sec / s.decode_steps for d, sec in s.device_s.items()}
         st.n_past = n_past
         s.history.append(tok)
+        if s.lookup is not None:
+            s.lookup.extend([tok])
+        return chunk
+
+    def _deliver(self, s: SeqState, chunk) -> None:
+        """Hand s's chunk to its Request; a last chunk finishes s and frees its blocks."""
+        st = s.stats
         if chunk.finish_reason is not None:
             st.finish_reason = chunk.finish_reason
             with self._cv:
@@ -371,5 +477,5 @@ class Engine:
             self.counters["finished"] += 1
             s.request._put(chunk)
             return
-        s.next_token = tok
+        s.next_token = chunk.token
         s.request._put(chunk)

@@ -139,7 +139,7 @@ class DraftLength:
         """A step of n_tokens in units of a one-token step (interpolated; assumed flat when unknown:
         on a bandwidth-bound CPU a few more rows cost little next to reading the weights)."""
         one = self.step_s.get(1)
-        if not one:
+        if not one or max(self.step_s) == 1:  # no larger step measured yet: the prior
             return 1.0 + 0.05 * (n_tokens - 1)
         known = sorted(k for k in self.step_s if k >= n_tokens)
         if known:

@@ -105,3 +105,156 @@ def test_draft_length_follows_acceptance_and_cost():
 def test_bad_settings_are_clear_errors(kw, words):
     with pytest.raises(InvalidArgumentError, match=words):
         SpecParams(**kw)
+
+
+# --- in the engine, on the real files ------------------------------------------------------------------
+import edgellm  # noqa: E402
+from edgellm import scheduler  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog. The dog did not move at all. Then the fox ran into "
+        "the forest, where it met an old owl who lived in a tall oak tree.")
+CODE = ("def total(items):\n    result = 0\n    for item in items:\n        result += item.price\n    return result\n\n"
+        "def count(items):\n    result = 0\n    for item in items:\n        result += 1\n    return result\n")
+MESSAGES = {
+    "repeat": "Repeat the following text exactly, word for word:\n\n" + TEXT,
+    "edit": "Rewrite this code with the variable 'result' renamed to 'acc'. Show the whole code.\n\n" + CODE,
+    "free": "Write a short story about a robot who learns to paint.",
+}
+N_TOKENS = 96
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def models(request):
+    """(plain model, the same file with prompt lookup, the rendered prompts)."""
+    path = request.getfixturevalue(f"{request.param}_path")
+    plain = edgellm.load(path, n_ctx=512, n_batch=64)
+    spec = edgellm.load(path, n_ctx=512, n_batch=64, spec_type="ngram-simple")
+    prompts = {k: plain.render_chat([{"role": "user", "content": v}]) for k, v in MESSAGES.items()}
+    yield plain, spec, prompts
+    plain.close()
+    spec.close()
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Every step verifies all the lookup found (no standing down), and the proposal lengths seen."""
+    lengths = []
+    real = scheduler.verify
+
+    def recording(sample, rows, proposal, history):
+        lengths.append(len(proposal))
+        return real(sample, rows, proposal, history)
+
+    monkeypatch.setattr(scheduler.DraftLength, "choose", lambda self, available: available)
+    monkeypatch.setattr(scheduler, "verify", recording)
+    return lengths
+
+
+_PLAIN: dict = {}  # the plain model's answers, computed once per module
+
+
+def _tokens(m, prompt, **kw):
+    if m.engine.spec is None:
+        key = (id(m), prompt, tuple(sorted(kw.items())))
+        if key not in _PLAIN:
+            _PLAIN[key] = [c.token for c in m.generate(prompt, max_tokens=N_TOKENS, **kw)], m.stats
+        return _PLAIN[key]
+    return [c.token for c in m.generate(prompt, max_tokens=N_TOKENS, **kw)], m.stats
+
+
+@pytest.mark.real
+def test_greedy_lookup_gives_the_plain_tokens(models):
+    plain, spec, prompts = models
+    accepted = {}
+    for name, p in prompts.items():
+        want, _ = _tokens(plain, p, temperature=0)
+        got, st = _tokens(spec, p, temperature=0)
+        assert got == want, name
+        assert st.draft_n_accepted <= st.draft_n
+        accepted[name] = st.draft_n_accepted
+    assert accepted["repeat"] > 0  # lookup proposed and the target kept some: not vacuous
+
+
+@pytest.mark.real
+def test_every_step_verifying_still_gives_the_plain_tokens(models, forced):
+    plain, spec, prompts = models
+    cap = spec.runtime.exact_decode_rows() - 1
+    total = 0
+    for name, p in prompts.items():
+        want, _ = _tokens(plain, p, temperature=0)
+        got, st = _tokens(spec, p, temperature=0)
+        assert got == want, name
+        total += st.draft_n_accepted
+    assert total > 0 and max(forced) >= 2
+    assert max(forced) <= cap  # the whole step stays in the one-token order
+
+
+@pytest.mark.real
+def test_seeded_sampling_gives_the_plain_tokens(models, forced):
+    plain, spec, prompts = models
+    for name in ("repeat", "edit"):
+        want, _ = _tokens(plain, prompts[name], temperature=0.8, seed=1234)
+        got, st = _tokens(spec, prompts[name], temperature=0.8, seed=1234)
+        assert got == want, name
+        assert st.draft_n > 0
+
+
+@pytest.mark.real
+def test_max_tokens_and_stop_strings_end_mid_step(models, forced):
+    plain, spec, prompts = models
+    p = prompts["repeat"]
+    for n in (1, 5, 9):
+        got = [c.token for c in spec.generate(p, max_tokens=n, temperature=0)]
+        assert got == [c.token for c in plain.generate(p, max_tokens=n, temperature=0)]
+        assert len(got) == n and spec.stats.finish_reason == "length" and spec.stats.gen_tokens == n
+    full = "".join(c.text for c in plain.generate(p, max_tokens=N_TOKENS, temperature=0))
+    words = full.split()
+    stop = words[len(words) // 2]  # a word in the middle of the answer
+    want = "".join(c.text for c in plain.generate(p, max_tokens=N_TOKENS, temperature=0, stop=[stop]))
+    got = "".join(c.text for c in spec.generate(p, max_tokens=N_TOKENS, temperature=0, stop=[stop]))
+    assert got == want and spec.stats.finish_reason == "stop"
+    assert stop not in got
+
+
+@pytest.mark.real
+def test_the_cache_after_speculation_serves_the_next_request(models, forced):
+    plain, spec, prompts = models
+    p = prompts["edit"]
+    want, _ = _tokens(plain, p, temperature=0)
+    first, _ = _tokens(spec, p, temperature=0)
+    second, st = _tokens(spec, p, temperature=0)  # its prompt's blocks come from the cache
+    assert first == second == want
+    assert st.cached_tokens > 0
+    # a follow-up whose prompt holds the answer: prefix blocks written by verification steps
+    follow = p + spec.detokenize(first) + "\nNow do it again."
+    assert _tokens(spec, follow, temperature=0)[0] == _tokens(plain, follow, temperature=0)[0]
+    counts = spec.engine_stats()
+    assert counts["kv_blocks_used"] == 0
+    assert counts["kv_blocks_used"] + counts["kv_blocks_cached"] + counts["kv_blocks_free"] == counts["kv_blocks_total"]
+
+
+@pytest.mark.real
+def test_the_exact_row_cap_follows_the_weight_types(models):
+    plain, spec, _ = models
+    k_quants = any(t in (10, 11, 12, 13, 14) for t in {int(w.ggml_type) for L in spec.runtime.model.blocks
+                                                      for w in vars(L).values() if hasattr(w, "ggml_type")})
+    assert spec.runtime.exact_decode_rows() == (7 if k_quants else 16)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"spec_draft_n_max": 0}, "spec_draft_n_max"), ({"spec_draft_n_max": -3}, "spec_draft_n_max"),
+    ({"spec_draft_n_max": "8"}, "spec_draft_n_max"), ({"spec_type": "eagle"}, "spec_type"),
+    ({"spec_draft_n_min": 9, "spec_draft_n_max": 4}, "n-min"), ({"spec_ngram_size_n": 0}, "size_n"),
+    ({"spec_type": "draft-simple"}, "not supported yet")])
+def test_bad_load_settings_are_one_clear_error(kw, words):
+    kw = {"spec_type": "ngram-simple", **kw}
+    with pytest.raises(InvalidArgumentError, match=words):
+        edgellm.load("no-such-model.gguf", **kw)  # refused before the file is looked for
+
+
+def test_run_flags_refuse_bad_values_in_one_line(capsys):
+    from edgellm.cli import main
+
+    rc = main(["run", "no-such-model.gguf", "-p", "hi", "--spec-type", "ngram-simple", "--spec-draft-n-max", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "--spec-draft-n-max" in err and "Traceback" not in err

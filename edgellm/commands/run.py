@@ -32,6 +32,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="say how the prompt was fed (chat template or completion); print the plan and memory")
     add_sampling_arguments(p)
+    add_spec_arguments(p)
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, with llama.cpp's flag names."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec-type", default="none", metavar="TYPE",
+                   help="none (default) or ngram-simple: verify the tokens that followed the latest earlier "
+                        "occurrence of the last n-gram (prompt lookup), the same answer, faster on text that "
+                        "repeats its context")
+    g.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N",
+                   help="the most tokens proposed in a step (default 16)")
+    g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
+                   help="a shorter proposal is not verified (default 0)")
+    g.add_argument("--spec-ngram-simple-size-n", type=int, default=3, metavar="N",
+                   help="the longest n-gram looked up (default 3)")
+    g.add_argument("--spec-ngram-simple-size-m", type=int, default=16, metavar="N",
+                   help="the most tokens copied after a match (default 16)")
+
+
+def spec_kwargs(args) -> dict:
+    """load()'s speculative decoding arguments from the flags (checked: a bad value is an error now)."""
+    from edgellm.api import spec_params
+
+    kw = dict(spec_type=getattr(args, "spec_type", "none"), spec_draft_n_max=getattr(args, "spec_draft_n_max", 16),
+              spec_draft_n_min=getattr(args, "spec_draft_n_min", 0),
+              spec_ngram_size_n=getattr(args, "spec_ngram_simple_size_n", 3),
+              spec_ngram_size_m=getattr(args, "spec_ngram_simple_size_m", 16))
+    spec_params(*kw.values())
+    return kw
 
 
 def run(args) -> int:
@@ -46,6 +76,7 @@ def run(args) -> int:
 
     if args.n_predict < -1:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
+    spec = spec_kwargs(args)
     from edgellm.precompile import fetch_and_prepare
 
     args.kv_type = kv_type_of(args)
@@ -55,7 +86,7 @@ def run(args) -> int:
                                         verbose=args.verbose, background=True)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False,
-                         use_mmap=args.use_mmap)
+                         use_mmap=args.use_mmap, **spec)
     if args.verbose:
         print_plan(model, sys.stderr)
     prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)
@@ -108,7 +139,8 @@ def summary(s) -> str:
     devices = "  ".join(f"{d} {ms:.1f}" for d, ms in s.device_ms.items())
     return (f"\nprompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated {s.gen_tokens} tok, "
             f"{s.gen_tps:.1f} tok/s, {s.tpot_ms:.1f} ms/token | ttft {s.ttft_s * 1000:.0f} ms"
-            + (f" | ms/token: {devices}" if devices else ""))
+            + (f" | ms/token: {devices}" if devices else "")
+            + (f" | draft {s.draft_n_accepted}/{s.draft_n} accepted" if getattr(s, "draft_n", 0) else ""))
 
 
 def print_plan(model, f) -> None:
