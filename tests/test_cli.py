@@ -79,6 +79,29 @@ def test_run_gpu_layers_without_gpu_is_clear(smollm2_path):
 
 
 @pytest.mark.real
+def test_run_json_schema_and_grammar_flags(smollm2_path, tmp_path):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "people": {"type": "integer"}}, "required": ["city", "people"]}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    for flags in (["-j", json.dumps(schema)], ["--json-schema-file", str(f)]):
+        r = edgellm("run", str(smollm2_path), "-p", "The largest city of Japan, as JSON.", "-n", "60", "--seed", "3",
+                    "-c", "256", *flags)
+        assert r.returncode == 0, r.stderr
+        answer = json.loads(r.stdout)
+        assert set(answer) == {"city", "people"} and isinstance(answer["people"], int)
+    r = edgellm("run", str(smollm2_path), "--raw", "-p", "Is water wet? Answer:", "-n", "8", "-c", "256",
+                "--grammar", 'root ::= " " ("yes" | "no") "."')
+    assert r.returncode == 0 and r.stdout.strip() in ("yes.", "no."), r.stderr
+    for flags, words in ((["--grammar-file", str(tmp_path / "missing.gbnf")], "cannot read it"),
+                         (["--grammar", "root ::= missing"], "grammar does not compile"),
+                         (["-j", "{not json"], "json_schema is not JSON"),
+                         (["-j", "{}", "--grammar", "root ::= \"a\""], "not allowed with")):
+        r = edgellm("run", str(smollm2_path), "-p", "hi", "-n", "2", "-c", "256", *flags)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and words in r.stderr, (flags, r.stderr)
+
+
+@pytest.mark.real
 def test_run_prompt_longer_than_context(smollm2_path):
     r = edgellm("run", str(smollm2_path), "-c", "16", "-p", "word " * 40, "-n", "2")
     assert r.returncode == 1 and "Traceback" not in r.stderr and "context holds 16" in r.stderr

@@ -2,6 +2,8 @@
 sampler, and the draft length chosen from acceptance and step cost."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -258,3 +260,22 @@ def test_run_flags_refuse_bad_values_in_one_line(capsys):
     rc = main(["run", "no-such-model.gguf", "-p", "hi", "--spec-type", "ngram-simple", "--spec-draft-n-max", "0"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "--spec-draft-n-max" in err and "Traceback" not in err
+
+
+@pytest.mark.real
+def test_a_grammar_under_speculation_gives_the_plain_tokens(models, forced):
+    """The constraint sees the kept tokens only: a JSON answer that repeats the prompt's JSON is the
+    plain one, greedy and seeded, and holds the schema."""
+    plain, spec, _ = models
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                        "maxItems": 4}},
+              "required": ["name", "tags"]}
+    p = plain.render_chat([{"role": "user", "content": 'Copy this JSON exactly: {"name": "edge llm", "tags": '
+                                                         '["fast", "small", "local", "python"]}'}])
+    for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+        want = [c.token for c in plain.generate(p, max_tokens=60, json_schema=schema, **kw)]
+        got = [c.token for c in spec.generate(p, max_tokens=60, json_schema=schema, **kw)]
+        assert got == want, kw
+        assert spec.stats.draft_n_accepted > 0
+        assert set(json.loads(spec.detokenize(got))) == {"name", "tags"}

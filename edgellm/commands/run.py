@@ -32,7 +32,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="say how the prompt was fed (chat template or completion); print the plan and memory")
     add_sampling_arguments(p)
+    add_grammar_arguments(p)
     add_spec_arguments(p)
+
+
+def add_grammar_arguments(p: argparse.ArgumentParser) -> None:
+    """Constrained output, with llama.cpp's flag names (one of them)."""
+    g = p.add_argument_group("constrained output").add_mutually_exclusive_group()
+    g.add_argument("--grammar", default=None, metavar="GBNF", help="the answer follows this GBNF grammar")
+    g.add_argument("--grammar-file", default=None, metavar="FILE", help="... the GBNF grammar in FILE")
+    g.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="the answer is JSON valid under this JSON schema (e.g. '{}' for any JSON object)")
+    g.add_argument("--json-schema-file", default=None, metavar="FILE", help="... the JSON schema in FILE")
+
+
+def grammar_kwargs(args) -> dict:
+    """generate()'s grammar argument from the flags (a file is read now: a missing one is an error
+    before the model loads)."""
+    from edgellm.errors import InvalidArgumentError
+
+    for flag, key in (("grammar", "grammar"), ("json_schema", "json_schema")):
+        text, path = getattr(args, flag, None), getattr(args, flag + "_file", None)
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InvalidArgumentError(f"--{flag.replace('_', '-')}-file {path}: cannot read it ({exc})") from None
+        if text is not None:
+            return {key: text}
+    return {}
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +106,7 @@ def run(args) -> int:
     if args.n_predict < -1:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
     spec = spec_kwargs(args)
+    constrained = grammar_kwargs(args)
     from edgellm.precompile import fetch_and_prepare
 
     args.kv_type = kv_type_of(args)
@@ -99,7 +129,8 @@ def run(args) -> int:
     try:
         for chunk in model.generate(prompt, max_tokens=max_tokens, temperature=args.temp, top_k=args.top_k,
                                     top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                                    seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos):
+                                    seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                    **constrained):
             if chunk.text:
                 out.write(chunk.text)
                 out.flush()
