@@ -121,9 +121,13 @@ class Request:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stats: Stats = seq_state.stats
         self.done = False
+        # the caller waits in the engine's queue, which was empty when it began to (read the queue
+        # before this flag: with no step running, both then hold)
+        self.parked = False
 
     # --- the engine side ---------------------------------------------------------------------
     def _put(self, item) -> None:
+        self.parked = False
         self._queue.put(item)
 
     def _ready(self) -> bool:
@@ -144,6 +148,10 @@ class Request:
                 pass
             dedicated = self._engine.dedicated
             if dedicated is not None and dedicated is not threading.current_thread():
+                self.parked = True  # only the engine's next chunk wakes this caller (_put clears it)
+                if not self._queue.empty():
+                    self.parked = False
+                    continue
                 item = self._queue.get()  # a thread in Engine.run_forever makes every step
                 break
             if not self._engine.drive(self):  # no work left for the engine: the chunk is on its way

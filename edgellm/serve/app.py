@@ -14,7 +14,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -108,11 +108,14 @@ class Server:
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise too_large
         parts, n = [], 0
-        async for part in request.stream():  # read up to the limit only (a chunked body has no length)
-            n += len(part)
-            if n > MAX_BODY_BYTES:
-                raise too_large
-            parts.append(part)
+        try:
+            async for part in request.stream():  # read up to the limit only (a chunked body has no length)
+                n += len(part)
+                if n > MAX_BODY_BYTES:
+                    raise too_large
+                parts.append(part)
+        except ClientDisconnect:  # nobody reads the answer: one access-log line, no traceback
+            raise P.APIError(400, "the client closed the connection before the whole request body came") from None
         raw = b"".join(parts)
         try:
             return json.loads(raw, parse_constant=_no_constant)
