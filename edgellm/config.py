@@ -85,7 +85,7 @@ class ModelConfig:
         factor = 1.0 if type(factor) in (int, float) and factor == 0 else m.number("rope.scaling.factor", 1.0)
         freq_scale = 1.0 / factor if scaling_type == "linear" else 1.0
         freq_base = m.number("rope.freq_base", 10000.0)
-        freq_base_swa = m.number("rope.freq_base_swa", module.ROPE_FREQ_BASE_SWA)
+        freq_base_swa = m.number("rope.freq_base_swa", module.Model.ROPE_FREQ_BASE_SWA)
         for key, base in (("rope.freq_base", freq_base), ("rope.freq_base_swa", freq_base_swa)):
             _check_rope_angles(m, key, base, "rope.scaling.factor", factor, freq_scale, n_rot)
         sliding_window = m.integer("attention.sliding_window", 0, lo=0)
@@ -113,7 +113,7 @@ class ModelConfig:
             n_merges=len(md.get("tokenizer.ggml.merges") or ()),
         )
         check_tensors(gf, cfg)  # also bounds n_layer by the blocks in the file
-        return replace(cfg, swa_layers=tuple(module.swa_layers(n_layer, sliding_window, md)))
+        return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)))
 
     @property
     def attn_scale(self) -> float:

@@ -21,9 +21,17 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter, LlamaFileType, TokenType
 
 from edgellm.errors import InvalidArgumentError
+from edgellm.models import ARCHITECTURES as _ARCH_MODULES
+from edgellm.models import architecture
 from edgellm.quants import QK_K, QUANT_TYPES
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# the architectures with a module of their own (aliases write the same file as their module's)
+ARCHITECTURES = tuple(name for name, module in _ARCH_MODULES.items() if name == module)
+
+
+def _model(arch: str):
+    """The architecture's Decoder class: what its files carry (FILE_* attributes)."""
+    return architecture(arch).Model
 
 
 # ============================================================================ tokenizer
@@ -81,28 +89,6 @@ class Shape:
     n_vocab: int
 
 
-# arch -> extra per-block tensors (beyond llama's), as (name suffix, kind) with kind in
-# "q_bias" | "k_bias" | "v_bias" (n_head*hd / n_kv*hd) | "head_norm" (head_dim) | "embd_norm" (n_embd)
-ARCH_EXTRA_BLOCK_TENSORS = {
-    "llama": (),
-    "qwen2": (("attn_q.bias", "q_bias"), ("attn_k.bias", "kv_bias"), ("attn_v.bias", "kv_bias")),
-    "qwen3": (("attn_q_norm.weight", "head_norm"), ("attn_k_norm.weight", "head_norm")),
-    "gemma3": (
-        ("attn_q_norm.weight", "head_norm"),
-        ("attn_k_norm.weight", "head_norm"),
-        ("post_attention_norm.weight", "embd_norm"),
-        ("post_ffw_norm.weight", "embd_norm"),
-    ),
-}
-ARCH_DEFAULTS = {  # arch -> (rope freq_base, rms eps)
-    "llama": (10000.0, 1e-5),
-    "qwen2": (1000000.0, 1e-6),
-    "qwen3": (1000000.0, 1e-6),
-    "gemma3": (1000000.0, 1e-6),
-}
-GEMMA3_ROPE_FREQ_BASE_SWA = 10000.0  # llama.cpp's default for `gemma3.rope.freq_base_swa`
-
-
 def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tuple[int, ...], str]]:
     """[(name, numpy shape (rows first), kind)]; kind "matrix" | "embd" | "norm" | "bias"."""
     n_q, n_kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
@@ -121,7 +107,7 @@ def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tupl
             (b + "ffn_up.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_down.weight", (s.n_embd, s.n_ff), "matrix"),  # (n_embd, n_ff)
         ]
-        for suffix, kind in ARCH_EXTRA_BLOCK_TENSORS[arch]:
+        for suffix, kind in _model(arch).FILE_TENSORS:
             table.append((b + suffix, (sizes[kind],), "bias" if kind.endswith("bias") else "norm"))
     table.append(("output_norm.weight", (s.n_embd,), "norm"))
     if not tied_output:
@@ -299,7 +285,7 @@ FILE_TYPES = {  # requested tensor type -> general.file_type (llama.cpp's LLAMA_
 
 def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_ctx_train: int,
                     sliding_window: int) -> None:
-    freq_base, eps = ARCH_DEFAULTS[arch]
+    model = _model(arch)
     w.add_name(f"synthetic-{arch}-{s.n_layer}x{s.n_embd}-{ggml_type.name}")
     w.add_type("model")
     w.add_file_type(int(FILE_TYPES[ggml_type]))
@@ -310,23 +296,23 @@ def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_c
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_layer_norm_rms_eps(eps)
-    w.add_rope_freq_base(freq_base)
+    w.add_layer_norm_rms_eps(model.FILE_RMS_EPS)
+    w.add_rope_freq_base(model.FILE_ROPE_FREQ_BASE)
     w.add_rope_dimension_count(s.head_dim)
     w.add_vocab_size(s.n_vocab)
-    if arch in ("qwen3", "gemma3") or s.head_dim != s.n_embd // s.n_head:
+    if model.FILE_KEY_LENGTH or s.head_dim != s.n_embd // s.n_head:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
-    if arch == "gemma3":
+    if model.FILE_SLIDING_WINDOW:
         # llama.cpp's gemma3 loader: sliding_window > 0 turns on SWA with the pattern "5 sliding
         # layers, then 1 global" unless attention.sliding_window_pattern says otherwise; sliding
         # layers use rope.freq_base_swa (default 10000), the global ones rope.freq_base.
         w.add_sliding_window(sliding_window)
-        w.add_rope_freq_base_swa(GEMMA3_ROPE_FREQ_BASE_SWA)
+        w.add_rope_freq_base_swa(model.ROPE_FREQ_BASE_SWA)
 
     tokens, types = tokenizer_vocab(s.n_vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
+    w.add_tokenizer_pre(_model(arch).FILE_TOKENIZER_PRE)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(list(MERGES))

@@ -1,7 +1,7 @@
 """Architectures, one module per GGUF `general.architecture`, found by name.
 
-Each module exports `ROPE_NEOX`, `ROPE_FREQ_BASE_SWA`, `swa_layers(n_layer, window, metadata)` and
-`Model` (a `models.decoder.Decoder` subclass holding the architecture's choices).
+Each module exports `Model`, a `models.decoder.Decoder` subclass holding the architecture's choices
+(RoPE layout, activation, sliding-window layers, what its files carry).
 """
 from __future__ import annotations
 

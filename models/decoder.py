@@ -45,12 +45,30 @@ def ffn_chunks(n: int) -> list[tuple[int, int]]:
 
 class Decoder:
     ROPE_NEOX = False  # RoPE pairs (i, i + n_rot/2) instead of (2i, 2i+1)
+    ROPE_FREQ_BASE_SWA = 10000.0  # llama.cpp's default for `<arch>.rope.freq_base_swa`
     ACTIVATION = "silu"  # gated FFN: act(gate) * up; "silu" or "gelu" (tanh approximation)
     EMBED_SCALE = False  # multiply embeddings by sqrt(n_embd)
     # The attention scale multiplies q (float32, after RoPE) instead of the scores, as llama.cpp's
     # graph does for Gemma: q is rounded to f16 for the K q product after the scaling, so where the
     # scaled value is an f16 subnormal the two orders differ.
     SCALE_Q = False
+
+    # What a file of this architecture carries, for the synthetic-file writer (edgellm.synthetic):
+    # per-block tensors beyond llama's as (name suffix, kind: "q_bias" | "kv_bias" | "head_norm" |
+    # "embd_norm"), the converter's usual RoPE base and RMS epsilon, the tokenizer's pre-type, and
+    # whether key/value lengths are written even when they equal n_embd / n_head, and whether the
+    # sliding window (and its RoPE base) is.
+    FILE_TENSORS: tuple[tuple[str, str], ...] = ()
+    FILE_ROPE_FREQ_BASE = 10000.0
+    FILE_RMS_EPS = 1e-5
+    FILE_TOKENIZER_PRE = "default"
+    FILE_KEY_LENGTH = False
+    FILE_SLIDING_WINDOW = False
+
+    @staticmethod
+    def swa_layers(n_layer: int, window: int, metadata) -> tuple[bool, ...]:
+        """Per layer: attends within the sliding window (none unless the architecture says so)."""
+        return (False,) * n_layer
 
     def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend):
         self.cfg = cfg

@@ -1,13 +1,11 @@
 """qwen3: the llama block with per-head RMSNorm on Q and K (before RoPE), neox RoPE, no biases."""
 from edgellm.models.decoder import Decoder
 
-ROPE_FREQ_BASE_SWA = 10000.0
-
-
-def swa_layers(n_layer: int, window: int, metadata) -> tuple[bool, ...]:
-    return (False,) * n_layer
-
 
 class Model(Decoder):
     ROPE_NEOX = True
     ACTIVATION = "silu"
+    FILE_TENSORS = (("attn_q_norm.weight", "head_norm"), ("attn_k_norm.weight", "head_norm"))
+    FILE_ROPE_FREQ_BASE = 1000000.0
+    FILE_RMS_EPS = 1e-6
+    FILE_KEY_LENGTH = True
