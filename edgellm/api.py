@@ -16,6 +16,7 @@ import numpy as np
 from edgellm import sampling as _sampling
 from edgellm.errors import ContextFullError, InvalidArgumentError
 from edgellm.generate import Chunk, Request, SeqStream, Stats, split_stop as _split_stop  # noqa: F401
+from edgellm.tokenizer import token_ids
 
 
 def default_threads() -> int:
@@ -48,22 +49,6 @@ def _real_arg(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
     return float(value)
-
-
-def token_ids(tokens, n_vocab: int, what: str = "tokens") -> list[int]:
-    """A list of token ids (ints in 0..n_vocab-1, NumPy integers included), or an InvalidArgumentError."""
-    import numbers
-
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
-        raise InvalidArgumentError(f"{what} must be a list of token ids (integers), got {type(tokens).__name__}")
-    out = []
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise InvalidArgumentError(f"{what} must be integers; got {t!r}")
-        if not 0 <= t < n_vocab:
-            raise InvalidArgumentError(f"token id {t} is outside the vocabulary (0..{n_vocab - 1})")
-        out.append(int(t))
-    return out
 
 
 SAMPLING_ARGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "stop",

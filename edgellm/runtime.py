@@ -361,6 +361,6 @@ class Runtime:
         if isinstance(tokens, (list, tuple)) and len(tokens) > self.n_ctx:  # refused before checking each id
             raise ContextFullError(f"context full: {len(tokens)} new tokens > n_ctx {self.n_ctx}; "
                                    "pass fewer or load with a larger n_ctx")
-        from edgellm.api import token_ids
+        from edgellm.tokenizer import token_ids
 
         return np.asarray(token_ids(tokens, self.cfg.n_vocab), dtype=np.int64)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import functools
 import heapq
+import numbers
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import regex
 
-from edgellm.errors import ContextFullError, TokenizerError
+from edgellm.errors import ContextFullError, InvalidArgumentError, TokenizerError
 from edgellm.gguf_file import StringArray
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +81,21 @@ _NO_LIMIT = sys.maxsize  # tokenize(limit=None)
 SPM_PIECE = 2048  # characters merged at a time when SPM tokenizes a long text towards a limit
 
 SPACE_ESCAPE = "\u2581"   # "▁": how SentencePiece vocabularies spell a space
+
+
+def token_ids(tokens, n_vocab: int, what: str = "tokens") -> list[int]:
+    """A list of token ids (ints in 0..n_vocab-1, NumPy integers included), or an InvalidArgumentError."""
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise InvalidArgumentError(f"{what} must be a list of token ids (integers), got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidArgumentError(f"{what} must be integers; got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise InvalidArgumentError(f"token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+        out.append(int(t))
+    return out
+
 
 # ---------------------------------------------------------------------------------------------
 # GPT-2 byte-level alphabet: every byte is one printable code point, so merges work on text
