@@ -27,7 +27,7 @@ def default_threads() -> int:
     except Exception:  # psutil cannot always tell physical cores
         n = None
     n = max(1, n or os.cpu_count() or 1)
-    from edgellm.kernels.cpu import idle_cores  # cores busy with other work: fewer threads
+    from edgellm.machine import idle_cores  # cores busy with other work: fewer threads
 
     idle = idle_cores()
     return n if idle is None else max(1, min(n, int(idle + 0.25)))

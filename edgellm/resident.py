@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from pathlib import Path
 
 import numpy as np
+
+from edgellm.machine import huge_pages_available
 
 HUGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KiB base pages)
 CHUNK = 64 << 20  # matrices are packed into chunks of this size (larger ones get their own)
@@ -24,15 +25,6 @@ MIN_BYTES = 16 << 10  # smaller arrays stay mapped (not worth a copy)
 SLICE = 4 << 20  # bytes copied between two drops of the source's pages
 _MADV_DONTNEED = 4
 _libc = None  # ctypes' handle to the C library, for madvise (loaded on first use)
-
-
-def huge_pages_available() -> bool:
-    """True when the kernel gives transparent huge pages to memory that asks (madvise or always)."""
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return "[always]" in mode or "[madvise]" in mode
 
 
 def want_resident(file_bytes: int) -> bool:

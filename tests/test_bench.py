@@ -1,9 +1,11 @@
-"""edgellm bench's weight-bandwidth pieces: bytes read per forward pass, the cached stream test, -d."""
+"""edgellm bench's weight-bandwidth pieces: bytes read per forward pass, the cached stream test
+(edgellm.machine), -d."""
 import json
 from pathlib import Path
 
 import pytest
 
+from edgellm import machine
 from edgellm.commands import bench
 from edgellm.gguf_file import GGUFFile
 from edgellm.synthetic import write_synthetic_gguf
@@ -32,9 +34,9 @@ def test_machine_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
         calls.append(threads)
         return 12.5e9
 
-    monkeypatch.setattr(bench, "stream_bandwidth", fake)
-    assert bench.machine_bandwidth(2) == 12.5e9
-    assert bench.machine_bandwidth(2) == 12.5e9
+    monkeypatch.setattr(machine, "stream_bandwidth", fake)
+    assert machine.machine_bandwidth(2) == 12.5e9
+    assert machine.machine_bandwidth(2) == 12.5e9
     assert calls == [2]
     assert list(json.loads((tmp_path / "bandwidth.json").read_text()).values()) == [12.5e9]
 
@@ -43,21 +45,21 @@ def test_stream_array_outgrows_the_largest_cache():
     """The stream test reads twice the largest cache (an array the cache holds measures the cache),
     256 MiB at least, a quarter of the available memory at most."""
     GiB, MiB = 1 << 30, 1 << 20
-    assert bench.stream_bytes(cache=480 * MiB, available=20 * GiB) == 960 * MiB
-    assert bench.stream_bytes(cache=32 * MiB, available=20 * GiB) == 256 * MiB
-    assert bench.stream_bytes(cache=480 * MiB, available=2 * GiB) == 512 * MiB
-    assert bench.stream_bytes(cache=0, available=100 * MiB) == 64 * MiB
+    assert machine.stream_bytes(cache=480 * MiB, available=20 * GiB) == 960 * MiB
+    assert machine.stream_bytes(cache=32 * MiB, available=20 * GiB) == 256 * MiB
+    assert machine.stream_bytes(cache=480 * MiB, available=2 * GiB) == 512 * MiB
+    assert machine.stream_bytes(cache=0, available=100 * MiB) == 64 * MiB
     # this machine's, from sysfs: the L3 (or L2) it reports, or 0 without sysfs
-    llc = bench.last_level_cache_bytes()
+    llc = machine.last_level_cache_bytes()
     sizes = [int(p.read_text().strip().rstrip("K")) << 10
              for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")
              if p.read_text().strip().endswith("K")]
     assert llc == max(sizes, default=0) or not sizes
-    assert bench.stream_bytes(available=64 * GiB) >= 2 * llc
+    assert machine.stream_bytes(available=64 * GiB) >= 2 * llc
 
 
 def test_stream_bandwidth_reads_at_a_plausible_rate():
-    bw = bench.stream_bandwidth(1, n_bytes=16 << 20, reps=2)
+    bw = machine.stream_bandwidth(1, n_bytes=16 << 20, reps=2)
     assert 1e8 < bw < 1e12
 
 

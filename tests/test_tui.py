@@ -201,9 +201,9 @@ def test_quitting_during_generation_is_clean(delay_s):
 
 # --- side panel ----------------------------------------------------------------------------------
 def test_panel_figures_bars_layer_map_and_sparklines_follow_the_model(monkeypatch):
-    from edgellm.commands import bench
+    from edgellm import machine
 
-    monkeypatch.setattr(bench, "machine_bandwidth", lambda threads: 25e9)  # the stream test, as if cached
+    monkeypatch.setattr(machine, "machine_bandwidth", lambda threads: 25e9)  # the stream test, as if cached
     fake = FakeModel(delay_s=0.08, gpu_layers=12)     # ~2 s of streaming: several panel refreshes
     n_tokens = len(fake.tokens())
     n_prompt = count_tokens([{"role": "user", "content": "hi"}])

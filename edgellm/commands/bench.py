@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 
 
+from edgellm.machine import machine, machine_bandwidth, stream_bandwidth
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from edgellm.commands.chat import gpu_layers_arg
 
@@ -30,32 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def machine() -> dict:
-    import os
-    import platform
-
-    import psutil
-
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":")[1].split())
-                    flags = " ".join(x for x in ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                                 "avx512_vnni", "avx_vnni", "amx_int8") if x in have)
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "logical_cores": os.cpu_count(),
-        "simd": flags,
-        "memory_bytes": psutil.virtual_memory().total,
-    }
-
-
 def weight_bytes(gf) -> int:
     """Bytes of weights one forward pass reads: every tensor but the token embeddings (one row of
     them is read), the embeddings in full when they are also the output head."""
@@ -64,84 +41,6 @@ def weight_bytes(gf) -> int:
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         total += tensors["token_embd.weight"].nbytes
     return total
-
-
-def last_level_cache_bytes() -> int:
-    """Bytes of the largest CPU cache (Linux sysfs; 0 where it is not there)."""
-    from pathlib import Path
-
-    best = 0
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (d / "type").read_text().strip() == "Instruction":
-                continue
-            size = (d / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-        digits = size.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * unit)
-    return best
-
-
-STREAM_MIN_BYTES = 256 << 20
-
-
-def stream_bytes(cache: int | None = None, available: int | None = None) -> int:
-    """Size of the stream test's array: twice the largest cache (an array that fits in it measures
-    the cache, not the memory: docs/performance.md), at least STREAM_MIN_BYTES, at most a quarter
-    of the available memory."""
-    import psutil
-
-    cache = last_level_cache_bytes() if cache is None else cache
-    available = psutil.virtual_memory().available if available is None else available
-    n = max(STREAM_MIN_BYTES, 2 * cache)
-    return max(64 << 20, min(n, available // 4)) // 64 * 64
-
-
-def stream_bandwidth(threads: int, n_bytes: int | None = None, reps: int = 5) -> float:
-    """Bytes/s the machine reads from memory: `threads` threads summing their slices of an array
-    larger than the caches (stream_bytes; NumPy releases the GIL), best of `reps`."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    a = np.ones((n_bytes or stream_bytes()) // 8, np.uint64)
-    parts = np.array_split(a, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
-
-
-def machine_bandwidth(threads: int) -> float:
-    """stream_bandwidth, measured once per machine and thread count and cached in the user cache
-    (bandwidth.json; delete it to measure again)."""
-    import json
-    import platform
-
-    from edgellm.fetch import cache_dir
-
-    path = cache_dir() / "bandwidth.json"
-    # the largest cache is in the key: a rate measured before the array outgrew it is measured again
-    key = f"{platform.node()}:{platform.processor() or platform.machine()}:{threads}:llc{last_level_cache_bytes() >> 20}M"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key not in cached:
-        cached[key] = stream_bandwidth(threads)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
-        except OSError:
-            pass  # a read-only cache: measured again next time
-    return float(cached[key])
 
 
 def run(args) -> int:

@@ -229,33 +229,6 @@ def set_threads(n: int) -> None:
     _set_blas_threads(int(n))
 
 
-def idle_cores(sample_s: float = 0.05) -> float | None:
-    """How many CPU cores sat idle over the next sample_s seconds (sum of the per-CPU idle
-    fractions from /proc/stat; None where there is none). Threads that share a core with another
-    busy process wait at every parallel region's barrier for a time slice (decode runs ~5 regions
-    a layer: with one of two cores busy, two threads decode several times slower than one), so
-    the default thread count stays within the idle cores."""
-    import time
-
-    def read() -> dict:
-        with open("/proc/stat") as f:
-            rows = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
-        return {r[0]: (int(r[4]) + int(r[5]), sum(int(v) for v in r[1:9])) for r in rows}
-
-    try:
-        a = read()
-        time.sleep(sample_s)
-        b = read()
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = 0.0
-    for cpu_name, (idle1, total1) in b.items():
-        idle0, total0 = a.get(cpu_name, (idle1, total1))
-        if total1 > total0:
-            idle += (idle1 - idle0) / (total1 - total0)
-    return idle if b else None
-
-
 def _set_blas_threads(n: int) -> None:
     """openblas_set_num_threads of the OpenBLAS that NumPy loaded, if there is one to find."""
     import ctypes

@@ -108,7 +108,7 @@ def main() -> int:
     import numba
     from gguf import GGMLQuantizationType as GGMLType
 
-    from edgellm.commands.bench import stream_bandwidth, stream_bytes
+    from edgellm.machine import stream_bandwidth, stream_bytes
     from edgellm.kernels import cpu
     from edgellm.kernels.cpu.kquants import pack8_q4_k
 

@@ -5,7 +5,7 @@ beside each run (dev only).
 
 On a shared or virtual machine the memory read rate moves with the neighbours (on one 2-core VM,
 44 GB/s at one hour, 33 the next), so a share against a rate measured at another time is off by as
-much. Each round here runs the stream test (`edgellm.commands.bench.stream_bandwidth`), edgellm's
+much. Each round here runs the stream test (`edgellm.machine.stream_bandwidth`), edgellm's
 decode (`edgellm bench -p 0 --json`), the stream test, llama-bench's decode, the stream test; each
 engine's weights GB/s (bytes of weights a decode step reads x tokens/s) is divided by the mean of the
 two stream tests around it. Prints every round and the medians.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgellm.commands.bench import stream_bandwidth
+from edgellm.machine import stream_bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llamacpp  # noqa: E402  (scripts/llamacpp.py: finds llama-bench)

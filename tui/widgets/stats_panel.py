@@ -129,7 +129,7 @@ class StatsPanel(VerticalScroll):
 
     def _measure_bandwidth(self, threads: int) -> None:
         """The stream test (a second or so, once per machine: cached in the user cache) off the UI thread."""
-        from edgellm.commands.bench import machine_bandwidth
+        from edgellm.machine import machine_bandwidth
 
         try:
             self.memory_bw = machine_bandwidth(threads)
