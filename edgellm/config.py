@@ -31,7 +31,7 @@ class ModelConfig:
     tied_output: bool  # output head is token_embd
     file_type: int | None = None
     n_merges: int = 0  # BPE merges in the vocabulary (the tokenizer's memory grows with them)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the arch's own (Model.hparams)
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -113,7 +113,8 @@ class ModelConfig:
             n_merges=len(md.get("tokenizer.ggml.merges") or ()),
         )
         check_tensors(gf, cfg)  # also bounds n_layer by the blocks in the file
-        return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)))
+        return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)),
+                       extra=module.Model.hparams(m))
 
     @property
     def attn_scale(self) -> float:

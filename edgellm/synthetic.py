@@ -310,6 +310,9 @@ def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_c
         w.add_sliding_window(sliding_window)
         w.add_rope_freq_base_swa(model.ROPE_FREQ_BASE_SWA)
 
+    for key, value in model.FILE_HPARAMS.items():
+        w.add_float32(f"{arch}.{key}", value)
+
     tokens, types = tokenizer_vocab(s.n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(_model(arch).FILE_TOKENIZER_PRE)

@@ -13,8 +13,10 @@ ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
     "gemma3": "gemma3",
+    "granite": "granite",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "smollm3": "smollm3",
 }
 
 

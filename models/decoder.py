@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+F32 = np.float32
+
 # Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional.
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 OPTIONAL = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
@@ -56,14 +58,21 @@ class Decoder:
     # What a file of this architecture carries, for the synthetic-file writer (edgellm.synthetic):
     # per-block tensors beyond llama's as (name suffix, kind: "q_bias" | "kv_bias" | "head_norm" |
     # "embd_norm"), the converter's usual RoPE base and RMS epsilon, the tokenizer's pre-type, and
-    # whether key/value lengths are written even when they equal n_embd / n_head, and whether the
-    # sliding window (and its RoPE base) is.
+    # whether key/value lengths are written even when they equal n_embd / n_head, whether the
+    # sliding window (and its RoPE base) is, and the architecture's own keys.
     FILE_TENSORS: tuple[tuple[str, str], ...] = ()
     FILE_ROPE_FREQ_BASE = 10000.0
     FILE_RMS_EPS = 1e-5
     FILE_TOKENIZER_PRE = "default"
     FILE_KEY_LENGTH = False
     FILE_SLIDING_WINDOW = False
+    FILE_HPARAMS: dict = {}  # `<arch>.<key>` float32 values the architecture's own hparams read
+
+    @staticmethod
+    def hparams(m) -> dict:
+        """The architecture's own hyperparameters (multipliers, caps), read and checked from the
+        file's metadata (`validate.Metadata`) into `cfg.extra`."""
+        return {}
 
     @staticmethod
     def swa_layers(n_layer: int, window: int, metadata) -> tuple[bool, ...]:
@@ -82,6 +91,20 @@ class Decoder:
         self.output_norm = ob.weight(gf.tensor("output_norm.weight"))
         head = gf.tensors.get("output.weight") or gf.tensor("token_embd.weight")
         self.output = self.token_embd if (head.name == "token_embd.weight" and ob is embed_backend) else ob.weight(head)
+        # multipliers (float32, applied as ggml_scale is: a rounded product), None where there is none
+        self.embed_scale = F32(math.sqrt(cfg.n_embd)) if self.EMBED_SCALE else None
+        self.residual_scale = None  # on each block's attention and FFN outputs, before the residual add
+        self.logit_scale = None  # on the logits
+        self.attn_scale = cfg.attn_scale
+        self.configure()
+
+    def configure(self) -> None:
+        """An architecture's multipliers from cfg.extra (called at the end of __init__)."""
+
+    @property
+    def fused_decode(self) -> bool:
+        """The backend's fused decode kernels apply no residual multiplier."""
+        return self.residual_scale is None
 
     def _load_block(self, gf, il: int, b) -> SimpleNamespace:
         w = {}
@@ -100,8 +123,8 @@ class Decoder:
         """float32 (n_tok, n_embd) on the host."""
         x = np.empty((len(ids), self.cfg.n_embd), dtype=np.float32)
         self.embed_backend.embed(self.token_embd, ids, x)
-        if self.EMBED_SCALE:
-            x *= np.float32(math.sqrt(self.cfg.n_embd))
+        if self.embed_scale is not None:
+            x *= self.embed_scale
         return x
 
     def rope_params(self, il: int) -> tuple[float, float]:
@@ -145,11 +168,11 @@ class Decoder:
         decode_layers = getattr(b, "decode_layers", None)
         n = x.shape[0]
         lay = getattr(kvs[0], "layout", None) if kvs else None
-        if (decode_layers is None or any(lb is not b for lb in backends)
+        if (decode_layers is None or not self.fused_decode or any(lb is not b for lb in backends)
                 or not (n == 1 or (n <= ALONE_MAX and getattr(lay, "n_single", 0) == n))):
             return False
         cfg = self.cfg
-        q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
+        q_scale, att_scale = (self.attn_scale, 1.0) if self.SCALE_Q else (1.0, self.attn_scale)
         return decode_layers(blocks, x, pos, kvs, self.scratch(b, n), ropes=ropes, eps=cfg.rms_eps,
                              n_rot=cfg.n_rot, neox=self.ROPE_NEOX, scale=att_scale,
                              gelu=self.ACTIVATION == "gelu", q_scale=q_scale)
@@ -172,8 +195,8 @@ class Decoder:
         hd_k, hd_v, eps = cfg.head_dim_k, cfg.head_dim_v, cfg.rms_eps
         s = self.scratch(b, n)
         base, scale = self.rope_params(il)
-        q_scale, att_scale = (cfg.attn_scale, 1.0) if self.SCALE_Q else (1.0, cfg.attn_scale)
-        decode_block = getattr(b, "decode_block", None)
+        q_scale, att_scale = (self.attn_scale, 1.0) if self.SCALE_Q else (1.0, self.attn_scale)
+        decode_block = getattr(b, "decode_block", None) if self.fused_decode else None
         lay = getattr(kv, "layout", None)
         if (decode_block is not None and (n == 1 or (n <= ALONE_MAX and getattr(lay, "n_single", 0) == n))
                 and decode_block(L, x, pos, kv, s, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
@@ -203,6 +226,8 @@ class Decoder:
                 return x
             if x.shape[0] != n:
                 s = self.scratch(b, x.shape[0])
+        if self.residual_scale is not None:
+            o *= self.residual_scale
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
         # gated FFN, FFN_CHUNK tokens at a time
         act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
@@ -212,6 +237,8 @@ class Decoder:
             act(gate, up, gate)
             b.linear(L.ffn_down, gate, s.o[i:i + m])
         # (post-norm,) residual connection
+        if self.residual_scale is not None:
+            s.o *= self.residual_scale
         add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
         return x
 
@@ -223,5 +250,7 @@ class Decoder:
         b.rms_norm(x, self.output_norm, self.cfg.rms_eps, h)
         logits = b.empty((x.shape[0], self.cfg.n_vocab))
         b.linear(self.output, h, logits)
+        if self.logit_scale is not None:
+            logits *= self.logit_scale
         return b.to_host(logits)
 

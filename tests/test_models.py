@@ -20,6 +20,8 @@ from edgellm.synthetic import write_synthetic_gguf
 from standin import StandInGPU
 
 SHAPE = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
+ARCH_SHAPE = {"smollm3": {"n_layer": 4}}  # its fourth layer is the first without RoPE
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite"]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,7 @@ def synthetic(tmp_path_factory):
     cache = {}
 
     def make(arch, qtype=T.Q8_0, **kw):
+        kw = {**ARCH_SHAPE.get(arch, {}), **kw}
         key = (arch, qtype, tuple(sorted(kw.items())))
         if key not in cache:
             shape = {**SHAPE, **kw}
@@ -58,7 +61,7 @@ def kl(p_logits, q_logits):
 TOKENS = [1, 17, 200, 3, 45, 99, 250, 12, 7, 7, 300, 64, 5, 18, 222, 31, 90, 2, 150, 11]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
 def test_cpu_backend_matches_reference(synthetic, arch, qtype):
     path = synthetic(arch, qtype)
@@ -72,7 +75,7 @@ def test_cpu_backend_matches_reference(synthetic, arch, qtype):
     assert np.abs(fast - ref).max() < 0.05 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_equals_decode(synthetic, arch):
     path = synthetic(arch)
     rt = runtime(path, {"cpu": ReferenceBackend()}, n_batch=8)
@@ -220,7 +223,7 @@ def test_sliding_window_keeps_only_the_window(synthetic):
     assert np.abs(nowin[10:] - full[10:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "granite"])
 @pytest.mark.parametrize("n_gpu", [1, 3])
 def test_hybrid_standin_matches_cpu(synthetic, arch, n_gpu):
     path = synthetic(arch)
@@ -275,7 +278,8 @@ def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(syntheti
 
 
 @pytest.mark.parametrize("arch,qtype", [("llama", T.Q4_K), ("gemma3", T.Q4_K), ("llama", T.Q4_0),
-                                        ("llama", T.Q4_1), ("qwen2", T.Q6_K), ("llama", T.Q3_K)])
+                                        ("llama", T.Q4_1), ("qwen2", T.Q6_K), ("llama", T.Q3_K),
+                                        ("smollm3", T.Q4_K), ("granite", T.Q4_K)])
 def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch, qtype):
     """A step of decode tokens from 3 sequences (one fused block call for the three, each token
     on its own key list) gives each the logits of decoding it alone, bit for bit."""
@@ -383,3 +387,15 @@ def test_decode_block_is_compiled_per_family_of_row_types():
         assert fused.type_mask(types) == mask
         assert fused._present(numba.typeof(mask)) == present
         assert fused.max_tokens(types) == (7 if types & k else 16)
+
+
+@pytest.mark.parametrize("hparams, words", [({}, "granite.logit_scale' is missing"),
+                                            ({"logit_scale": float("nan")}, "a finite number"),
+                                            ({"logit_scale": 8.0, "residual_scale": float("inf")}, "residual_scale")])
+def test_a_granite_file_with_a_bad_multiplier_is_one_clear_error(tmp_path, monkeypatch, hparams, words):
+    from edgellm.models import granite
+
+    monkeypatch.setattr(granite.Model, "FILE_HPARAMS", hparams)
+    path = write_synthetic_gguf(tmp_path / "g.gguf", arch="granite", ggml_type=T.Q8_0, sparse=True, **SHAPE)
+    with pytest.raises(edgellm.errors.EdgeLLMError, match=words):
+        edgellm.load(path)

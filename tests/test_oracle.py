@@ -100,3 +100,24 @@ def test_synthetic_matches_llamacpp(tmp_path, arch, tname):
     assert decisive.sum() >= len(top1) // 2
     assert top1[decisive].all(), (top1.mean(), kl.max())
     assert kl.mean() <= 0.01 and kl.max() <= 0.05, (kl.mean(), kl.max())
+
+
+@pytest.mark.parametrize("arch, tname, changes", make_oracle.SYNTHETIC_EXACT)
+def test_new_architecture_gives_llamacpps_logits_bit_for_bit(tmp_path, arch, tname, changes):
+    """A synthetic file of each architecture added since: llama.cpp's prompt logits exactly, and its
+    greedy continuation from a fresh context."""
+    from gguf import GGMLQuantizationType as T
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    meta, (rec,) = load_fixture(f"synthetic_{arch}_{tname}")
+    path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T[tname],
+                                **{**make_oracle.SYNTHETIC_SHAPE, **changes})
+    assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/fixtures/make_oracle.py"
+    with edgellm.load(path, n_ctx=make_oracle.N_CTX, n_batch=make_oracle.N_CTX) as model:
+        tokens = rec["tokens"].tolist()
+        ours = np.take_along_axis(model.logits(tokens), rec["top_ids"].astype(np.int64), axis=1)
+        assert float(np.abs(ours - rec["top_logits"]).max()) == 0.0
+        greedy = [c.token for c in model.generate(tokens, max_tokens=len(rec["greedy"]), temperature=0,
+                                                  ignore_eos=True, cache_prompt=False)]
+        assert greedy == rec["greedy"].tolist()
