@@ -112,7 +112,7 @@ class ModelConfig:
             file_type=m.integer("general.file_type", None, lo=0) if "general.file_type" in md else None,
             n_merges=len(md.get("tokenizer.ggml.merges") or ()),
         )
-        check_tensors(gf, cfg)  # also bounds n_layer by the blocks in the file
+        check_tensors(gf, cfg, module.Model)  # also bounds n_layer by the blocks in the file
         return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)),
                        extra=module.Model.hparams(m))
 

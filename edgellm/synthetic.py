@@ -92,11 +92,13 @@ class Shape:
 def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tuple[int, ...], str]]:
     """[(name, numpy shape (rows first), kind)]; kind "matrix" | "embd" | "norm" | "bias"."""
     n_q, n_kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    sizes = {"q_bias": n_q, "kv_bias": n_kv, "head_norm": s.head_dim, "embd_norm": s.n_embd}
+    sizes = {"q_bias": n_q, "kv_bias": n_kv, "head_norm": s.head_dim, "embd_norm": s.n_embd,
+             "q_norm_whole": n_q, "kv_norm_whole": n_kv}
+    model = _model(arch)
     table = [("token_embd.weight", (s.n_vocab, s.n_embd), "embd")]
     for i in range(s.n_layer):
         b = f"blk.{i}."
-        table += [
+        table += [t for t in [
             (b + "attn_norm.weight", (s.n_embd,), "norm"),
             (b + "attn_q.weight", (n_q, s.n_embd), "matrix"),  # wq (n_head*head_dim, n_embd)
             (b + "attn_k.weight", (n_kv, s.n_embd), "matrix"),  # wk (n_head_kv*head_dim, n_embd)
@@ -106,8 +108,8 @@ def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tupl
             (b + "ffn_gate.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_up.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_down.weight", (s.n_embd, s.n_ff), "matrix"),  # (n_embd, n_ff)
-        ]
-        for suffix, kind in _model(arch).FILE_TENSORS:
+        ] if t[0][len(b):-len(".weight")] in model.BLOCK_REQUIRED]  # (a post-norm block has no pre-norms)
+        for suffix, kind in model.FILE_TENSORS:
             table.append((b + suffix, (sizes[kind],), "bias" if kind.endswith("bias") else "norm"))
     table.append(("output_norm.weight", (s.n_embd,), "norm"))
     if not tied_output:

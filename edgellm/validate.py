@@ -25,12 +25,6 @@ from edgellm.errors import (
 )
 
 MAX_COUNT = 2**31 - 1  # hyperparameters are int32 in llama.cpp; anything larger is corrupt
-# Per-block tensors (`blk.N.<name>`) the decoder reads; the shape of each, GGUF order (ne[0] first),
-# from the config. models.decoder's REQUIRED / OPTIONAL / BIASES name the same tensors.
-BLOCK_REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
-                  "ffn_up", "ffn_down")
-BLOCK_OPTIONAL = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
-BLOCK_BIASES = ("attn_q", "attn_k", "attn_v")
 # llama.cpp's token types: UNDEFINED 0, NORMAL 1, UNKNOWN 2, CONTROL 3, USER_DEFINED 4, UNUSED 5, BYTE 6
 N_TOKEN_TYPES = 7
 # token ids that steer generation: one past the vocabulary is an error, not a silent default
@@ -122,30 +116,35 @@ class Metadata:
 
 
 # ---------------------------------------------------------------------------------------------
-def expected_shapes(cfg) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """(required, optional) tensor name -> ne (GGUF order: elements per row first)."""
+def expected_shapes(cfg, model=None) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(required, optional) tensor name -> ne (GGUF order: elements per row first). `model`: the
+    architecture's Decoder class (found from cfg.arch when None), which names the per-block tensors
+    it reads (BLOCK_REQUIRED, BLOCK_OPTIONAL, BLOCK_BIASES) and may change their shapes."""
+    if model is None:
+        from edgellm.models import architecture
+
+        model = architecture(cfg.arch).Model
     e, vocab = cfg.n_embd, cfg.n_vocab
     q, kv_k, kv_v, o = (cfg.n_head * cfg.head_dim_k, cfg.n_head_kv * cfg.head_dim_k,
                         cfg.n_head_kv * cfg.head_dim_v, cfg.n_head * cfg.head_dim_v)
     block = {"attn_norm": (e,), "attn_q": (e, q), "attn_k": (e, kv_k), "attn_v": (e, kv_v),
              "attn_output": (o, e), "ffn_norm": (e,), "ffn_gate": (e, cfg.n_ff), "ffn_up": (e, cfg.n_ff),
-             "ffn_down": (cfg.n_ff, e)}
-    block_opt = {"attn_q_norm": (cfg.head_dim_k,), "attn_k_norm": (cfg.head_dim_k,),
-                 "post_attention_norm": (e,), "post_ffw_norm": (e,)}
+             "ffn_down": (cfg.n_ff, e), "attn_q_norm": (cfg.head_dim_k,), "attn_k_norm": (cfg.head_dim_k,),
+             "post_attention_norm": (e,), "post_ffw_norm": (e,), **model.block_shapes(cfg)}
     bias = {"attn_q": (q,), "attn_k": (kv_k,), "attn_v": (kv_v,)}
     required = {"token_embd.weight": (e, vocab), "output_norm.weight": (e,)}
     optional = {"output.weight": (e, vocab)}
     for il in range(cfg.n_layer):
-        required.update({f"blk.{il}.{n}.weight": block[n] for n in BLOCK_REQUIRED})
-        optional.update({f"blk.{il}.{n}.weight": block_opt[n] for n in BLOCK_OPTIONAL})
-        optional.update({f"blk.{il}.{n}.bias": bias[n] for n in BLOCK_BIASES})
+        required.update({f"blk.{il}.{n}.weight": block[n] for n in model.BLOCK_REQUIRED})
+        optional.update({f"blk.{il}.{n}.weight": block[n] for n in model.BLOCK_OPTIONAL})
+        optional.update({f"blk.{il}.{n}.bias": bias[n] for n in model.BLOCK_BIASES})
     return required, optional
 
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def check_tensors(gf, cfg) -> None:
+def check_tensors(gf, cfg, model=None) -> None:
     """Every tensor the model reads has the shape (and rank) the config implies; token_embd and
     output_norm exist and the blocks with tensors are exactly blocks 0..n_layer-1. A block tensor missing
     altogether is reported when the model loads it (`GGUFFile.tensor`), before any kernel runs."""
@@ -160,7 +159,7 @@ def check_tensors(gf, cfg) -> None:
         raise ModelShapeError(
             f"{gf.path}: metadata key '{cfg.arch}.block_count' is {cfg.n_layer} but the file has "
             f"tensors for block {max(blocks)}; the file is corrupt or hostile")
-    required, optional = expected_shapes(cfg)
+    required, optional = expected_shapes(cfg, model)
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in tensors:
             raise ModelShapeError(f"{gf.path}: required tensor '{name}' is missing ({len(tensors)} "

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "mistral": "llama",
     "gemma3": "gemma3",
     "granite": "granite",
+    "olmo2": "olmo2",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "smollm3": "smollm3",

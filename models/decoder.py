@@ -13,7 +13,8 @@ import numpy as np
 
 F32 = np.float32
 
-# Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional.
+# Per-block tensors, named as in GGUF (`blk.N.<name>.weight`); None when absent and optional
+# (an architecture's Model may read other sets: BLOCK_REQUIRED / BLOCK_OPTIONAL).
 REQUIRED = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 OPTIONAL = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
 BIASES = ("attn_q", "attn_k", "attn_v")
@@ -54,6 +55,8 @@ class Decoder:
     # graph does for Gemma: q is rounded to f16 for the K q product after the scaling, so where the
     # scaled value is an f16 subnormal the two orders differ.
     SCALE_Q = False
+    PRE_NORM = True  # False: attention and FFN read the residual stream itself (post-norms only)
+    QK_NORM_WHOLE = False  # QK-norm over a token's whole q / k projection, not head by head
 
     # What a file of this architecture carries, for the synthetic-file writer (edgellm.synthetic):
     # per-block tensors beyond llama's as (name suffix, kind: "q_bias" | "kv_bias" | "head_norm" |
@@ -79,6 +82,16 @@ class Decoder:
         """Per layer: attends within the sliding window (none unless the architecture says so)."""
         return (False,) * n_layer
 
+    # the per-block tensors read (`blk.N.<name>.weight` / `.bias`), checked at load (validate)
+    BLOCK_REQUIRED: tuple[str, ...] = REQUIRED
+    BLOCK_OPTIONAL: tuple[str, ...] = OPTIONAL
+    BLOCK_BIASES: tuple[str, ...] = BIASES
+
+    @staticmethod
+    def block_shapes(cfg) -> dict[str, tuple[int, ...]]:
+        """Per-block tensor shapes (GGUF ne) that differ from llama's block (validate.expected_shapes)."""
+        return {}
+
     def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend):
         self.cfg = cfg
         self.embed_backend = embed_backend
@@ -103,17 +116,18 @@ class Decoder:
 
     @property
     def fused_decode(self) -> bool:
-        """The backend's fused decode kernels apply no residual multiplier."""
-        return self.residual_scale is None
+        """The backend's fused decode kernels take llama's pre-norm block (QK-norm per head) without
+        a residual multiplier."""
+        return self.residual_scale is None and self.PRE_NORM and not self.QK_NORM_WHOLE
 
     def _load_block(self, gf, il: int, b) -> SimpleNamespace:
-        w = {}
-        for name in REQUIRED:
+        w = dict.fromkeys(REQUIRED + OPTIONAL + tuple(name + "_bias" for name in BIASES))
+        for name in self.BLOCK_REQUIRED:
             w[name] = b.weight(gf.tensor(f"blk.{il}.{name}.weight"))
-        for name in OPTIONAL:
+        for name in self.BLOCK_OPTIONAL:
             t = gf.tensors.get(f"blk.{il}.{name}.weight")
             w[name] = b.weight(t) if t is not None else None
-        for name in BIASES:
+        for name in self.BLOCK_BIASES:
             t = gf.tensors.get(f"blk.{il}.{name}.bias")
             w[name + "_bias"] = b.weight(t) if t is not None else None
         return SimpleNamespace(**w)
@@ -207,15 +221,23 @@ class Decoder:
             return x if rows is None else x[rows]
         add_rms_norm, qkv_attention, linear_many = b.add_rms_norm, b.qkv_attention, b.linear_many
 
-        # attention rmsnorm
-        b.rms_norm(x, L.attn_norm, eps, s.h)
+        # attention rmsnorm (a post-norm block's attention reads the residual stream)
+        if self.PRE_NORM:
+            b.rms_norm(x, L.attn_norm, eps, s.h)
+        else:
+            s.h[...] = x
         # q, k, v projections
         linear_many((L.attn_q, L.attn_k, L.attn_v), s.h, (s.q, s.k, s.v))
+        q_norm, k_norm = L.attn_q_norm, L.attn_k_norm
+        if self.QK_NORM_WHOLE:  # one RMS over all of a token's heads
+            b.rms_norm(s.q, q_norm, eps, s.q)
+            b.rms_norm(s.k, k_norm, eps, s.k)
+            q_norm = k_norm = None
         # (+ bias, per-head QK-norm, rotary position embedding), into the cache, attention over it
         qkv_attention(s.q.reshape(n, cfg.n_head, hd_k), s.k.reshape(n, cfg.n_head_kv, hd_k),
                       s.v.reshape(n, cfg.n_head_kv, hd_v),
-                      biases=(L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), q_norm=L.attn_q_norm,
-                      k_norm=L.attn_k_norm, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
+                      biases=(L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), q_norm=q_norm,
+                      k_norm=k_norm, eps=eps, n_rot=cfg.n_rot, freq_base=base, freq_scale=scale,
                       neox=self.ROPE_NEOX, kv=kv, pos=pos, scale=att_scale, out=s.a, q_scale=q_scale)
         # output projection, (post-norm,) residual connection back into x, ffn rmsnorm
         b.linear(L.attn_output, s.a, s.o)
@@ -229,6 +251,8 @@ class Decoder:
         if self.residual_scale is not None:
             o *= self.residual_scale
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
+        if not self.PRE_NORM:  # the FFN reads the residual stream
+            s.h[...] = x
         # gated FFN, FFN_CHUNK tokens at a time
         act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
         for i, m in ffn_chunks(x.shape[0]):

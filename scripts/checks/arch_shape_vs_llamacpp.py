@@ -17,7 +17,9 @@ import make_oracle  # noqa: E402
 
 # real models' widths: (n_embd, n_head, n_head_kv, n_ff); the layer count is an argument
 SHAPES = {"smollm3": (2048, 16, 4, 11008),  # SmolLM3-3B
-          "granite": (2048, 32, 8, 8192)}  # Granite-3.3-2B
+          "granite": (2048, 32, 8, 8192),  # Granite-3.3-2B
+          "olmo2": (2048, 16, 16, 8192)}  # OLMo-2-0425-1B
+UNTIED = {"olmo2"}  # llama.cpp loads these only with an output head of their own
 
 
 def main() -> int:
@@ -38,7 +40,7 @@ def main() -> int:
         for tname in args.types.split(","):
             path = write_synthetic_gguf(Path(tmp) / f"{tname}.gguf", arch=args.arch, ggml_type=T[tname],
                                         n_layer=args.layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_kv,
-                                        n_ff=n_ff, n_vocab=4096, seed=5)
+                                        n_ff=n_ff, n_vocab=4096, seed=5, tied_output=args.arch not in UNTIED)
             rec = make_oracle.reference(path, make_oracle.SYNTHETIC_TOKENS, None, args.greedy)
             with edgellm.load(path, n_ctx=make_oracle.N_CTX, n_batch=make_oracle.N_CTX) as m:
                 tokens = rec["tokens"].tolist()
