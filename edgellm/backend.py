@@ -129,6 +129,15 @@ class Backend(ABC):
     #   offers it when every layer is on this backend. None: not offered.
     decode_layers = None
 
+    def set_rope_factors(self, factors, mscale: float = 1.0) -> None:
+        """Every later `rope` of this backend divides each pair's angle by factors[i] (float32
+        (n_rot/2,), a file's rope_freqs / LongRoPE factors; None: none) and scales cos and sin by
+        mscale, as ggml's rope cache does. Default: refused (a backend without them)."""
+        if factors is not None or mscale != 1.0:
+            from edgellm.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(f"the {self.device} backend has no RoPE frequency factors")
+
     def claim_thread(self) -> None:
         """Called at the start of every step in the thread that runs it (a backend whose settings
         belong to the calling thread re-applies them there). Default: nothing."""

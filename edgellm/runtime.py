@@ -128,7 +128,7 @@ class Runtime:
         cpu = backends["cpu"]
         module = architecture(cfg.arch)
         self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[self.output_device],
-                                  cpu)
+                                  cpu, n_ctx=n_ctx)
         self.cache = KVCache(cfg, [backends[d] for d in self.layer_devices], n_ctx=n_ctx, n_batch=n_batch,
                              n_seq=self.n_seq, kv_type=shape.kv_type, kv_size=shape.kv_size)
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout

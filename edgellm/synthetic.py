@@ -358,6 +358,7 @@ def write_synthetic_gguf(
     seed: int = 0,
     sparse: bool = False,
     tensor_types: Mapping[str, GGMLType] | None = None,
+    f32_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a GGUF file of the given architecture and shape; returns its path.
 
@@ -365,7 +366,8 @@ def write_synthetic_gguf(
     see `storage_type`), norms and biases as F32. `sliding_window` is used by gemma3 only.
     `sparse=True`: nothing is generated or quantized; the tensor data region is left as a hole.
     `tensor_types`: a type per tensor name for the weights that are not to be `ggml_type` (with the
-    same fallback), as a mixed file (Q4_K_M) has.
+    same fallback), as a mixed file (Q4_K_M) has. `f32_tensors`: more tensors stored as F32 (name ->
+    values), e.g. llama 3's rope_freqs.
     """
     if arch not in ARCHITECTURES:
         raise InvalidArgumentError(f"arch={arch!r} is not one of {', '.join(ARCHITECTURES)}")
@@ -399,6 +401,10 @@ def write_synthetic_gguf(
             x = _random_tensor(rng, np_shape, kind)
             data = quantize(x.reshape(-1, np_shape[-1]), qtype).reshape(*np_shape[:-1], -1)
             w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    if f32_tensors and sparse:
+        raise InvalidArgumentError("f32_tensors need their values: not with sparse=True")
+    for name, values in (f32_tensors or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -133,7 +133,9 @@ def expected_shapes(cfg, model=None) -> tuple[dict[str, tuple[int, ...]], dict[s
              "post_attention_norm": (e,), "post_ffw_norm": (e,), **model.block_shapes(cfg)}
     bias = {"attn_q": (q,), "attn_k": (kv_k,), "attn_v": (kv_v,)}
     required = {"token_embd.weight": (e, vocab), "output_norm.weight": (e,)}
-    optional = {"output.weight": (e, vocab)}
+    # RoPE frequency factors: llama 3's rope_freqs, LongRoPE's (phi3) long and short ones
+    optional = {"output.weight": (e, vocab), **dict.fromkeys(
+        ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"), (cfg.n_rot // 2,))}
     for il in range(cfg.n_layer):
         required.update({f"blk.{il}.{n}.weight": block[n] for n in model.BLOCK_REQUIRED})
         optional.update({f"blk.{il}.{n}.weight": block[n] for n in model.BLOCK_OPTIONAL})

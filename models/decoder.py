@@ -92,7 +92,7 @@ class Decoder:
         """Per-block tensor shapes (GGUF ne) that differ from llama's block (validate.expected_shapes)."""
         return {}
 
-    def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend):
+    def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend, n_ctx: int | None = None):
         self.cfg = cfg
         self.embed_backend = embed_backend
         self._scratch: dict[tuple[int, int], SimpleNamespace] = {}  # (id(backend), n_tok) -> buffers
@@ -110,6 +110,21 @@ class Decoder:
         self.logit_scale = None  # on the logits
         self.attn_scale = cfg.attn_scale
         self.configure()
+        factors, mscale = self.rope_factors(gf, n_ctx)
+        if factors is not None or mscale != 1.0:
+            if factors is not None and not (np.isfinite(factors).all() and (factors > 0).all()):
+                from edgellm.errors import ModelShapeError
+
+                raise ModelShapeError(f"{gf.path}: the RoPE frequency factors must be finite and > 0 (corrupt "
+                                      "or hostile file)")
+            for b in {id(b): b for b in self.layer_backends}.values():
+                b.set_rope_factors(factors, mscale)
+
+    def rope_factors(self, gf, n_ctx: int | None) -> tuple[np.ndarray | None, float]:
+        """(float32 (n_rot/2,) divisors of each pair's RoPE angle or None, scale of cos and sin): a
+        llama 3 file's rope_freqs by default. n_ctx: a sequence's context (None: not known)."""
+        t = gf.tensors.get("rope_freqs.weight")
+        return (None if t is None else t.as_float32().reshape(-1)), 1.0
 
     def configure(self) -> None:
         """An architecture's multipliers from cfg.extra (called at the end of __init__)."""

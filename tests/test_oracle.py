@@ -104,13 +104,13 @@ def test_synthetic_matches_llamacpp(tmp_path, arch, tname):
 
 @pytest.mark.parametrize("arch, tname, changes", make_oracle.SYNTHETIC_EXACT)
 def test_new_architecture_gives_llamacpps_logits_bit_for_bit(tmp_path, arch, tname, changes):
-    """A synthetic file of each architecture added since: llama.cpp's prompt logits exactly, and its
-    greedy continuation from a fresh context."""
+    """A synthetic file of each architecture added since (and a llama 3 file with rope_freqs):
+    llama.cpp's prompt logits exactly, and its greedy continuation from a fresh context."""
     from gguf import GGMLQuantizationType as T
 
     from edgellm.synthetic import write_synthetic_gguf
 
-    meta, (rec,) = load_fixture(f"synthetic_{arch}_{tname}")
+    meta, (rec,) = load_fixture(f"synthetic_{arch}_{tname}" + ("_rope_freqs" if "f32_tensors" in changes else ""))
     path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T[tname],
                                 **{**make_oracle.SYNTHETIC_SHAPE, **changes})
     assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/fixtures/make_oracle.py"

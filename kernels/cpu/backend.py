@@ -55,6 +55,9 @@ class NumpyBackend(Backend):
         self._kernels = None
         self.rope_tables = RopeTables()
 
+    def set_rope_factors(self, factors, mscale: float = 1.0) -> None:
+        self.rope_tables.set_factors(factors, mscale)
+
     # --- weights --------------------------------------------------------------------------
     @property
     def kernels(self):
@@ -678,29 +681,42 @@ class RopeTables:
 
     def __init__(self):
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self.factors: np.ndarray | None = None  # per pair: the angle is divided by it (rope_cache)
+        self.mscale = F32(1.0)
+
+    def set_factors(self, factors, mscale: float = 1.0) -> None:
+        self.factors = None if factors is None else np.array(factors, dtype=F32).reshape(-1)
+        self.mscale = F32(mscale)
+        self._tables.clear()
 
     def get(self, n_rot: int, freq_base: float, freq_scale: float, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         key = (n_rot, float(freq_base), float(freq_scale))
         t = self._tables.get(key)
         if t is None or t[0].shape[0] < n_pos:
             size = max(1024, 1 << (max(n_pos, 1) - 1).bit_length())
-            t = self._tables[key] = rope_cache(np.arange(size, dtype=np.int64), n_rot, freq_base, freq_scale)
+            t = self._tables[key] = rope_cache(np.arange(size, dtype=np.int64), n_rot, freq_base, freq_scale,
+                                               self.factors, self.mscale)
         return t
 
 
-def rope_cache(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float, factors=None,
+               mscale=F32(1.0)) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 (n_tok, n_rot/2); theta built like ggml: theta_0 = p, theta_{i+1} =
-    theta_i * base^(-2/n_rot) in float32, then times freq_scale; cos and sin from the C library's
-    cosf / sinf, as ggml's rope cache takes them (NumPy's own float32 cos differs by an ulp)."""
+    theta_i * base^(-2/n_rot) in float32, divided by factors[i] (when given), then times
+    freq_scale; cos and sin from the C library's cosf / sinf, as ggml's rope cache takes them
+    (NumPy's own float32 cos differs by an ulp), times mscale when it is not 1."""
     theta_scale = F32(freq_base ** (-2.0 / n_rot))
     theta = pos.astype(F32)
     out = np.empty((len(pos), n_rot // 2), dtype=F32)
     for i in range(n_rot // 2):
-        out[:, i] = theta
+        out[:, i] = theta if factors is None else theta / factors[i]
         theta = theta * theta_scale
     out *= F32(freq_scale)
     from edgellm.kernels import cpu
 
     cos, sin = np.empty_like(out), np.empty_like(out)
     cpu._import("ops").cos_sin(out, cos, sin)
+    if mscale != 1.0:
+        cos *= F32(mscale)
+        sin *= F32(mscale)
     return cos, sin

@@ -354,6 +354,16 @@ class CudaBackend(Backend):
                      (x2, w_arg, np.int32(has_w), out2, np.int32(n), F32(eps), np.int64(x2.strides[0] // 4),
                       np.int64(out2.strides[0] // 4)))
 
+    _rope_factors = None  # float32 (n_rot/2,): set_rope_factors
+
+    def set_rope_factors(self, factors, mscale: float = 1.0) -> None:
+        if mscale != 1.0:
+            from edgellm.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError("RoPE with an attention factor (LongRoPE's attn_factor) is not on the GPU "
+                                   "path yet; run this model on the CPU (--gpu-layers 0)")
+        self._rope_factors = None if factors is None else np.asarray(factors, dtype=np.float32).reshape(-1)
+
     def rope(self, x, pos, n_rot: int, freq_base: float, freq_scale: float, neox: bool,
              freq_factors=None) -> None:
         """In place on x (n_tok, n_head, head_dim) at positions pos (n_tok,); see norm_rope.cu."""
@@ -365,6 +375,8 @@ class CudaBackend(Backend):
         pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32) if isinstance(pos, np.ndarray) else pos,
                                 dtype=self.cp.int32)
         theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as kernels.cpu.backend.rope_cache computes it
+        if freq_factors is None:
+            freq_factors = self._rope_factors
         has_ff = freq_factors is not None
         ff = self.cp.asarray(freq_factors, dtype=self.cp.float32) if has_ff else pos_d
         threads = min(256, 32 * _blocks(n_rot // 2, 32))
