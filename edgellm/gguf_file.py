@@ -22,7 +22,7 @@ import stat
 import struct
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,15 @@ class TensorInfo:
             raise GGUFError(f"tensor '{printable(self.name)}': its GGUF file was closed; open the file again")
         flat = whole[self.offset : self.offset + self.nbytes]
         return flat.reshape(self.n_rows, self.nbytes // self.n_rows)
+
+    def rows(self, start: int, n: int) -> "TensorInfo":
+        """Rows start..start+n of a 2-D tensor as a tensor of its own, in place in the file (a fused
+        tensor's parts: phi3's attn_qkv, its ffn_up holding gate and up)."""
+        if len(self.ne) != 2 or start < 0 or n < 1 or start + n > self.n_rows:
+            raise GGUFError(f"tensor '{printable(self.name)}' has no rows {start}..{start + n - 1}")
+        row = self.nbytes // self.n_rows
+        return replace(self, name=f"{self.name}[{start}:{start + n}]", ne=(self.ne[0], n),
+                       offset=self.offset + start * row, nbytes=n * row)
 
     def as_float32(self) -> np.ndarray:
         """float32 (n_rows, n_cols); a zero-copy view for F32 tensors, dequantized otherwise."""

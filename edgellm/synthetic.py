@@ -98,15 +98,17 @@ def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tupl
     table = [("token_embd.weight", (s.n_vocab, s.n_embd), "embd")]
     for i in range(s.n_layer):
         b = f"blk.{i}."
+        up_rows = s.n_ff if "ffn_gate" in model.BLOCK_REQUIRED else 2 * s.n_ff  # without a gate: gate and up
         table += [t for t in [
             (b + "attn_norm.weight", (s.n_embd,), "norm"),
+            (b + "attn_qkv.weight", (n_q + 2 * n_kv, s.n_embd), "matrix"),  # wq, wk, wv in one (phi3)
             (b + "attn_q.weight", (n_q, s.n_embd), "matrix"),  # wq (n_head*head_dim, n_embd)
             (b + "attn_k.weight", (n_kv, s.n_embd), "matrix"),  # wk (n_head_kv*head_dim, n_embd)
             (b + "attn_v.weight", (n_kv, s.n_embd), "matrix"),  # wv (n_head_kv*head_dim, n_embd)
             (b + "attn_output.weight", (s.n_embd, n_q), "matrix"),  # wo (n_embd, n_head*head_dim)
             (b + "ffn_norm.weight", (s.n_embd,), "norm"),
             (b + "ffn_gate.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
-            (b + "ffn_up.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
+            (b + "ffn_up.weight", (up_rows, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_down.weight", (s.n_embd, s.n_ff), "matrix"),  # (n_embd, n_ff)
         ] if t[0][len(b):-len(".weight")] in model.BLOCK_REQUIRED]  # (a post-norm block has no pre-norms)
         for suffix, kind in model.FILE_TENSORS:
@@ -286,9 +288,9 @@ FILE_TYPES = {  # requested tensor type -> general.file_type (llama.cpp's LLAMA_
 
 
 def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_ctx_train: int,
-                    sliding_window: int) -> None:
+                    sliding_window: int, hparams: Mapping | None = None, name: str | None = None) -> None:
     model = _model(arch)
-    w.add_name(f"synthetic-{arch}-{s.n_layer}x{s.n_embd}-{ggml_type.name}")
+    w.add_name(name or f"synthetic-{arch}-{s.n_layer}x{s.n_embd}-{ggml_type.name}")
     w.add_type("model")
     w.add_file_type(int(FILE_TYPES[ggml_type]))
     w.add_quantization_version(2)
@@ -300,7 +302,8 @@ def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_c
     w.add_head_count_kv(s.n_head_kv)
     w.add_layer_norm_rms_eps(model.FILE_RMS_EPS)
     w.add_rope_freq_base(model.FILE_ROPE_FREQ_BASE)
-    w.add_rope_dimension_count(s.head_dim)
+    if "rope.dimension_count" not in (hparams or {}):  # (partial rotary: given with hparams)
+        w.add_rope_dimension_count(s.head_dim)
     w.add_vocab_size(s.n_vocab)
     if model.FILE_KEY_LENGTH or s.head_dim != s.n_embd // s.n_head:
         w.add_key_length(s.head_dim)
@@ -312,8 +315,11 @@ def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_c
         w.add_sliding_window(sliding_window)
         w.add_rope_freq_base_swa(model.ROPE_FREQ_BASE_SWA)
 
-    for key, value in model.FILE_HPARAMS.items():
-        w.add_float32(f"{arch}.{key}", value)
+    for key, value in {**model.FILE_HPARAMS, **(hparams or {})}.items():
+        if isinstance(value, int):
+            w.add_uint32(f"{arch}.{key}", value)
+        else:
+            w.add_float32(f"{arch}.{key}", value)
 
     tokens, types = tokenizer_vocab(s.n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -359,6 +365,8 @@ def write_synthetic_gguf(
     sparse: bool = False,
     tensor_types: Mapping[str, GGMLType] | None = None,
     f32_tensors: Mapping[str, np.ndarray] | None = None,
+    hparams: Mapping[str, int | float] | None = None,
+    name: str | None = None,
 ) -> Path:
     """Write a GGUF file of the given architecture and shape; returns its path.
 
@@ -367,7 +375,9 @@ def write_synthetic_gguf(
     `sparse=True`: nothing is generated or quantized; the tensor data region is left as a hole.
     `tensor_types`: a type per tensor name for the weights that are not to be `ggml_type` (with the
     same fallback), as a mixed file (Q4_K_M) has. `f32_tensors`: more tensors stored as F32 (name ->
-    values), e.g. llama 3's rope_freqs.
+    values), e.g. llama 3's rope_freqs. `hparams`: the architecture's own keys (`<arch>.<key>`,
+    ints as uint32, floats as float32) over its FILE_HPARAMS. `name`: general.name (llama.cpp sets
+    token attributes by it: a "phi3" name wants Phi-3's vocabulary).
     """
     if arch not in ARCHITECTURES:
         raise InvalidArgumentError(f"arch={arch!r} is not one of {', '.join(ARCHITECTURES)}")
@@ -384,7 +394,7 @@ def write_synthetic_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
 
     w = GGUFWriter(path, arch)
-    _write_metadata(w, arch, shape, ggml_type, n_ctx_train, sliding_window)
+    _write_metadata(w, arch, shape, ggml_type, n_ctx_train, sliding_window, hparams, name)
     rng = np.random.default_rng(seed)
     data_bytes = 0
     for name, np_shape, kind in tensor_table(arch, shape, tied_output):

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "smollm3": "smollm3",

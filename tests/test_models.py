@@ -21,7 +21,7 @@ from standin import StandInGPU
 
 SHAPE = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
 ARCH_SHAPE = {"smollm3": {"n_layer": 4}}  # its fourth layer is the first without RoPE
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "olmo2"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "olmo2", "phi3"]
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_sliding_window_keeps_only_the_window(synthetic):
     assert np.abs(nowin[10:] - full[10:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "granite", "olmo2", "phi3"])
 @pytest.mark.parametrize("n_gpu", [1, 3])
 def test_hybrid_standin_matches_cpu(synthetic, arch, n_gpu):
     path = synthetic(arch)
@@ -279,7 +279,8 @@ def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(syntheti
 
 @pytest.mark.parametrize("arch,qtype", [("llama", T.Q4_K), ("gemma3", T.Q4_K), ("llama", T.Q4_0),
                                         ("llama", T.Q4_1), ("qwen2", T.Q6_K), ("llama", T.Q3_K),
-                                        ("smollm3", T.Q4_K), ("granite", T.Q4_K), ("olmo2", T.Q4_K)])
+                                        ("smollm3", T.Q4_K), ("granite", T.Q4_K), ("olmo2", T.Q4_K),
+                                        ("phi3", T.Q4_K)])
 def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch, qtype):
     """A step of decode tokens from 3 sequences (one fused block call for the three, each token
     on its own key list) gives each the logits of decoding it alone, bit for bit."""

@@ -110,7 +110,7 @@ def test_new_architecture_gives_llamacpps_logits_bit_for_bit(tmp_path, arch, tna
 
     from edgellm.synthetic import write_synthetic_gguf
 
-    meta, (rec,) = load_fixture(f"synthetic_{arch}_{tname}" + ("_rope_freqs" if "f32_tensors" in changes else ""))
+    meta, (rec,) = load_fixture(make_oracle.exact_name(arch, tname, changes))
     path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T[tname],
                                 **{**make_oracle.SYNTHETIC_SHAPE, **changes})
     assert sha256(path) == meta["sha256"], "synthetic writer output changed: rerun scripts/fixtures/make_oracle.py"

@@ -18,8 +18,14 @@ import make_oracle  # noqa: E402
 # real models' widths: (n_embd, n_head, n_head_kv, n_ff); the layer count is an argument
 SHAPES = {"smollm3": (2048, 16, 4, 11008),  # SmolLM3-3B
           "granite": (2048, 32, 8, 8192),  # Granite-3.3-2B
-          "olmo2": (2048, 16, 16, 8192)}  # OLMo-2-0425-1B
-UNTIED = {"olmo2"}  # llama.cpp loads these only with an output head of their own
+          "olmo2": (2048, 16, 16, 8192),  # OLMo-2-0425-1B
+          "phi3": (3072, 32, 32, 8192)}  # Phi-3.5-mini (head 96, LongRoPE long factors)
+UNTIED = {"olmo2", "phi3"}  # llama.cpp loads these only with an output head of their own
+# the arch's own file contents: phi3's LongRoPE (long: 512 > 256) factors, a name without "phi3"
+EXTRA = {"phi3": dict(name="synthetic-longrope", hparams={"rope.scaling.original_context_length": 256,
+                                                           "rope.scaling.attn_factor": 1.1902380714238083},
+                      f32_tensors={"rope_factors_long.weight": [1 + i * 0.5 for i in range(48)],
+                                   "rope_factors_short.weight": [1 + i / 96 for i in range(48)]})}
 
 
 def main() -> int:
@@ -40,7 +46,8 @@ def main() -> int:
         for tname in args.types.split(","):
             path = write_synthetic_gguf(Path(tmp) / f"{tname}.gguf", arch=args.arch, ggml_type=T[tname],
                                         n_layer=args.layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_kv,
-                                        n_ff=n_ff, n_vocab=4096, seed=5, tied_output=args.arch not in UNTIED)
+                                        n_ff=n_ff, n_vocab=4096, seed=5, tied_output=args.arch not in UNTIED,
+                                        **EXTRA.get(args.arch, {}))
             rec = make_oracle.reference(path, make_oracle.SYNTHETIC_TOKENS, None, args.greedy)
             with edgellm.load(path, n_ctx=make_oracle.N_CTX, n_batch=make_oracle.N_CTX) as m:
                 tokens = rec["tokens"].tolist()
