@@ -43,6 +43,9 @@ ATTR_NORMAL = 1 << 2
 ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
+ATTR_LSTRIP = 1 << 7  # whitespace left of the token's text goes with it (set by model name)
+ATTR_RSTRIP = 1 << 8  # ... and right of it
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, what the strips take
 
 # tokenizer.ggml.token_type (gguf-py's TokenType) -> attribute: UNDEFINED=0, NORMAL=1, UNKNOWN=2,
 # CONTROL=3, USER_DEFINED=4, UNUSED=5, BYTE=6; anything else counts as UNDEFINED
@@ -346,6 +349,7 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.add_eos_token is true but the file names no EOS token.")
 
         eot_id, stop_ids = _special_roles(md, tokens, token_to_id, attrs, eos_id)
+        _named_attrs(md, token_to_id, attrs)
         return cls(kind=kind, tokens=tokens, token_to_id=token_to_id, scores=scores, attrs=attrs,
                    merges=merges, pre=pre, bos_id=bos_id, eos_id=eos_id, eot_id=eot_id, stop_ids=stop_ids,
                    add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
@@ -495,13 +499,20 @@ class Tokenizer:
             if tok_text not in text:
                 continue
             split: list[str | int] = []
+            strip = self._attrs[tid] & (ATTR_LSTRIP | ATTR_RSTRIP)
             for frag in fragments:
                 if isinstance(frag, int) or tok_text not in frag:
                     split.append(frag)
                     continue
-                for j, part in enumerate(frag.split(tok_text)):
+                parts = frag.split(tok_text)
+                for j, part in enumerate(parts):
                     if j:
                         split.append(tid)
+                    if strip:
+                        if j and strip & ATTR_RSTRIP:
+                            part = part.lstrip(_C_SPACE)
+                        if j < len(parts) - 1 and strip & ATTR_LSTRIP:
+                            part = part.rstrip(_C_SPACE)
                     if part:
                         split.append(part)
             fragments = split
@@ -671,6 +682,19 @@ def _special_buckets(tokens: list[str], attrs: np.ndarray,
     for rank, tid in enumerate(ordered):
         buckets.setdefault(tokens[tid][:2], []).append((rank, tokens[tid], tid))
     return buckets
+
+
+def _named_attrs(md: Mapping[str, Any], token_to_id, attrs: np.ndarray) -> None:
+    """Token attributes llama.cpp sets by model name (the file does not carry them; updates attrs
+    in place): a Phi-3 file's special tokens, and its </s>, take the whitespace after them."""
+    name = md.get("general.name")
+    name = name.lower() if isinstance(name, str) else ""
+    if "phi-3" in name or "phi3" in name:
+        attrs[(attrs & _SPECIAL_ATTRS) != 0] |= ATTR_RSTRIP
+        for text, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
+            tid = token_to_id.get(text)
+            if tid is not None:
+                attrs[tid] = attrs[tid] | ATTR_RSTRIP if on else attrs[tid] & ~ATTR_RSTRIP
 
 
 def _token_id(md: Mapping[str, Any], key: str, default: int | None, n_vocab: int) -> int | None:

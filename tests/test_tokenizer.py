@@ -300,3 +300,24 @@ def test_string_hash_and_walk_are_libstdcxx():
     assert walk_order(blob, off).tolist() == [
         36, 33, 31, 30, 12, 1, 11, 21, 9, 7, 25, 6, 34, 28, 37, 29, 3, 10, 13, 4, 5, 0, 35, 24, 27, 39,
         15, 38, 14, 17, 16, 32, 8, 2, 18, 23, 19, 26, 20, 22]
+
+
+def test_a_phi3_files_special_tokens_take_the_whitespace_after_them():
+    """llama.cpp sets RSTRIP on a Phi-3 file's special tokens by the model's name (not in the file):
+    the whitespace after them is not tokenized, except after <unk>, <s> and <|endoftext|>. The ids
+    are llama.cpp 0.3.36's for this vocabulary (llama_tokenize, parse_special, no BOS)."""
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "ab", "bc", "\u2581a", "\u2581ab",
+              "<ctrl>", "<user>", "xy", "yzw", "<|endoftext|>"] + [f"<0x{b:02X}>" for b in range(256)]
+    scores = [0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -2.0, -1.5, -0.5, -1.2, -0.1, 0.0, 0.0, 0.0, 0.0, 0.0] + [0.0] * 256
+    types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 3, 4, 4, 4, 3] + [6] * 256
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.scores": np.array(scores, np.float32), "tokenizer.ggml.token_type": np.array(types, np.int32),
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_space_prefix": False}
+    texts = ["a<ctrl>\n ab<user>  b</s> c<s> c\t<ctrl>", "<|endoftext|> a <user>\n\nb <ctrl>  ", " <ctrl><ctrl> \n<user>"]
+    want = {"Phi-3.5-mini-instruct": [[4, 11, 7, 12, 5, 2, 6, 1, 3, 6, 25, 11], [15, 9, 3, 12, 5, 3, 11],
+                                      [3, 11, 11, 12]],
+            "tiny": [[4, 11, 26, 10, 12, 3, 3, 5, 2, 3, 6, 1, 3, 6, 25, 11], [15, 9, 3, 12, 26, 26, 5, 3, 11, 3, 3],
+                     [3, 11, 11, 3, 26, 12]]}
+    for name, ids in want.items():
+        tok = Tokenizer.from_metadata({**md, "general.name": name})
+        assert [tok.tokenize(t, add_special=False, parse_special=True) for t in texts] == ids, name
