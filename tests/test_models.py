@@ -400,3 +400,17 @@ def test_a_granite_file_with_a_bad_multiplier_is_one_clear_error(tmp_path, monke
     path = write_synthetic_gguf(tmp_path / "g.gguf", arch="granite", ggml_type=T.Q8_0, sparse=True, **SHAPE)
     with pytest.raises(edgellm.errors.EdgeLLMError, match=words):
         edgellm.load(path)
+
+
+@pytest.mark.parametrize("arch, name", [("phi3", "attn_qkv"), ("olmo2", "post_ffw_norm"), ("granite", "ffn_gate"),
+                                        ("smollm3", "attn_k"), ("olmo2", "attn_k_norm")])
+def test_a_file_of_a_new_architecture_without_a_tensor_is_one_clear_error(tmp_path, arch, name):
+    path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T.Q8_0, sparse=True,
+                                **{**SHAPE, **ARCH_SHAPE.get(arch, {})})
+    data = bytearray(path.read_bytes())
+    old = f"blk.1.{name}.weight".encode()
+    i = data.index(old)
+    data[i:i + len(old)] = old.replace(name.encode(), name[:-1].encode() + b"X")  # renamed: missing
+    path.write_bytes(bytes(data))
+    with pytest.raises(edgellm.errors.EdgeLLMError, match=f"blk.1.{name}.weight"):
+        edgellm.load(path)
