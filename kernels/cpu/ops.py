@@ -706,3 +706,185 @@ def attend_flash_quant(qq, qd, kc, vc, k_q4, v_q4, kpos, kmap, kbeg, kend, pos, 
         inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
         for d_ in range(hdv):
             out[t, h * hdv + d_] = vkq[d_] * inv
+
+
+# --- flash attention over an f16 cache, in ggml's order ---------------------------------------------
+# llama.cpp with flash attention on (its tools' default on the CPU) reads an f16 cache with one of
+# three kernels of ggml-cpu/ops.cpp, picked per batch (reference.flash_kernel): one-chunk (the
+# query rounded to f16, vec_dot_f16 scores, an online softmax with glibc's expf and the value sum
+# held in f16, rounded after every key), tiled (64 or more query rows: f32 scores as fma chains,
+# a softmax per 64-cell tile with ggml's vectorized exp and a float64 sum, f32 value sums) and
+# split-KV (one query row, 512 or more cells: one-chunk partials over n_split cell ranges, merged
+# in range order). A key's cell is its position (a fresh context's cache holds position p in cell
+# p). reference.flash_attn_f16 is the twin.
+FA_ONE_CHUNK, FA_TILED, FA_SPLIT = 0, 1, 2
+
+
+@njit(inline="always")
+def _fa_visible(kp, p, window, lo, hi):
+    return kp >= lo and kp < hi and kp >= 0 and kp <= p and not (window > 0 and p - kp >= window)
+
+
+@njit(inline="always")
+def _fa_one_chunk(kf, vf, kmap, kpos, j0, j1, kstride, vstride, row_k, row_v, hd, hdv, p, window, lo, hi, qr, scale,
+                  vkq, z):
+    """ggml's one-chunk kernel over the visible keys of slots kmap[j0:j1] with cells in [lo, hi):
+    returns (M, S), vkq float32 (hdv,) = the f16 value sum (not yet divided by S). row_k / row_v:
+    the element offset of this KV head in a slot's row (kstride / vstride elements); qr: the query
+    rounded to f16."""
+    for d in range(hdv):
+        vkq[d] = F32(0.0)
+    m = NEG_INF
+    s_sum = F32(0.0)
+    for j in range(j0, j1):
+        slot = kmap[j]
+        if not _fa_visible(kpos[slot], p, window, lo, hi):
+            continue
+        s = dot_f16(kf, U(slot) * U(kstride) + U(row_k), qr, U(0), U(hd), 4) * scale
+        ms = F32(1.0)
+        vs = F32(1.0)
+        if s > m:
+            ms = np.exp(F32(m - s))
+            m = s
+            for d in range(hdv):
+                vkq[d] = _load(_store(vkq[d] * ms, z))
+        else:
+            vs = np.exp(F32(s - m))
+        vo = slot * vstride + row_v
+        for d in range(hdv):
+            vkq[d] = _load(_store(fma32(_load(vf[vo + d]), vs, vkq[d]), z))
+        s_sum = fma32(s_sum, ms, vs)
+    return m, s_sum
+
+
+@njit(inline="always")
+def _fa_tiled(kf, vf, kmap, kpos, j0, j1, kstride, vstride, row_k, row_v, hd, hdv, p, window, q, t, h, scale, vkq,
+              pt, tslot, tlane):
+    """ggml's tiled kernel for query row (t, h) (Q in f32): returns S, vkq the f32 value sum."""
+    for d in range(hdv):
+        vkq[d] = F32(0.0)
+    m = NEG_INF
+    s_sum = F32(0.0)
+    big = np.int64(1) << 62
+    j = j0
+    while j < j1:
+        # the visible keys of the next 64-cell tile
+        n = 0
+        tile = np.int64(-1)
+        while j < j1:
+            slot = kmap[j]
+            kp = kpos[slot]
+            if not _fa_visible(kp, p, window, np.int64(0), big):
+                j += 1
+                continue
+            if n > 0 and kp // 64 != tile:
+                break
+            tile = kp // 64
+            tslot[n] = slot
+            tlane[n] = kp - tile * 64
+            n += 1
+            j += 1
+        if n == 0:
+            break
+        for i in range(64):
+            pt[i] = NEG_INF
+        tmax = NEG_INF
+        for i in range(n):
+            ko = tslot[i] * kstride + row_k
+            acc = F32(0.0)
+            for d in range(hd):
+                acc = fma32(q[t, h, d], _load(kf[ko + d]), acc)
+            sc = acc * scale
+            pt[tlane[i]] = sc
+            if sc > tmax:
+                tmax = sc
+        m_new = max(m, tmax)
+        if m_new > m:
+            ms = np.exp(F32(m - m_new))
+            for d in range(hdv):
+                vkq[d] = vkq[d] * ms
+            s_sum = s_sum * ms
+        m = m_new
+        exp_shifted(pt, U(64), m)  # -inf (no key there) -> 0
+        total = 0.0
+        for c in range(0, 64, 8):
+            t0 = pt[c] + pt[c + 4]
+            t1 = pt[c + 1] + pt[c + 5]
+            t2 = pt[c + 2] + pt[c + 6]
+            t3 = pt[c + 3] + pt[c + 7]
+            total += np.float64((t0 + t2) + (t1 + t3))
+        s_sum = F32(np.float64(s_sum) + total)
+        for i in range(n):
+            pv = pt[tlane[i]]
+            vo = tslot[i] * vstride + row_v
+            for d in range(hdv):
+                vkq[d] = fma32(pv, _load(vf[vo + d]), vkq[d])
+    return s_sum
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_flash_f16(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, kernel, n_cells, n_split, out):
+    """out (n_tok, n_head * hdv) float32 = ggml's CPU flash attention over an f16 cache.
+    q float32 (n_tok, n_head, hd) (hd a multiple of 32); kc, vc uint16 (n_slots, n_kv, hd / hdv):
+    the cache's f16 bits; token t attends to the slots kmap[kbeg[t]:kend[t]] (position order),
+    skipping keys it may not see, with kernel[t] (FA_ONE_CHUNK, FA_TILED, FA_SPLIT: n_cells[t]
+    cells cut into n_split ranges)."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vc.shape[2]
+    g = n_head // n_kv
+    kf = kc.reshape(-1)
+    vf = vc.reshape(-1)
+    kstride = n_kv * hd
+    vstride = n_kv * hdv
+    z = np.uint16(0)
+    big = np.int64(1) << 62
+    for th in prange(n_tok * n_head):
+        t = th // n_head
+        h = th - t * n_head
+        kh = h // g
+        p = pos[t]
+        row_k = kh * hd
+        row_v = kh * hdv
+        vkq = np.empty(hdv, F32)
+        if kernel[t] == FA_TILED:
+            pt = np.empty(64, F32)
+            tslot = np.empty(64, np.int64)
+            tlane = np.empty(64, np.int64)
+            s_sum = _fa_tiled(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv, p,
+                              window, q, t, h, scale, vkq, pt, tslot, tlane)
+            inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
+            for d in range(hdv):
+                out[t, h * hdv + d] = vkq[d] * inv
+            continue
+        qr = np.empty(hd, F32)
+        for d in range(hd):
+            qr[d] = _load(_store(q[t, h, d], z))
+        if kernel[t] == FA_ONE_CHUNK:
+            m, s_sum = _fa_one_chunk(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv,
+                                     p, window, np.int64(0), big, qr, scale, vkq, z)
+            inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
+            for d in range(hdv):
+                out[t, h * hdv + d] = F32(vkq[d]) * inv
+            continue
+        # split-KV: partials over n_split cell ranges, reduced in range order
+        acc = np.zeros(hdv, F32)
+        m_f = NEG_INF
+        s_f = F32(0.0)
+        chunk = (n_cells[t] + n_split - 1) // n_split
+        for i in range(n_split):
+            m_c, s_c = _fa_one_chunk(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv, p,
+                                     window,
+                                     i * chunk, (i + 1) * chunk, qr, scale, vkq, z)
+            if s_c == F32(0.0):
+                continue
+            m_new = max(m_f, m_c)
+            so = np.exp(F32(m_f - m_new))
+            sn = np.exp(F32(m_c - m_new))
+            for d in range(hdv):
+                acc[d] = fma32(acc[d], so, vkq[d] * sn)
+            s_f = fma32(s_f, so, s_c * sn)
+            m_f = m_new
+        inv = F32(1.0) / s_f if s_f != F32(0.0) else F32(1.0)
+        for d in range(hdv):
+            out[t, h * hdv + d] = acc[d] * inv
