@@ -116,7 +116,7 @@ def run(args) -> int:
                                         verbose=args.verbose, background=True)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False,
-                         use_mmap=args.use_mmap, **spec)
+                         use_mmap=args.use_mmap, flash_attn=args.flash_attn, **spec)
     if args.verbose:
         print_plan(model, sys.stderr)
     prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)
