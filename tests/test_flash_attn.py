@@ -1,6 +1,7 @@
 """llama.cpp's CPU flash attention over an f16 cache (load(..., flash_attn="on")): the Numba kernel
 ops.attend_flash_f16 against its NumPy twin reference.flash_attn_f16, bit for bit, for each of
-ggml's three kernels (one-chunk, tiled, split-KV), with masked, empty and sliding-window keys."""
+ggml's three kernels (one-chunk, tiled, split-KV), with masked, empty and sliding-window keys
+(ops.attend_flash_f16_tiled takes the tiled rows, by q tiles of 64: 100 rows make a tile of 36)."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,8 +69,13 @@ def test_flash_f16_kernel_equals_reference(kernel, n_keys, n_tok, hd, hdv, windo
     scale = F32(1 / np.sqrt(hd))
     kinds = {"one_chunk": ops.FA_ONE_CHUNK, "tiled": ops.FA_TILED, "split": ops.FA_SPLIT}
     got = np.full((n_tok, n_head * hdv), np.nan, F32)
-    ops.attend_flash_f16(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, kbeg, kend, pos, window, scale,
-                         np.full(n_tok, kinds[kernel], np.int64), np.full(n_tok, n_cells, np.int64), n_split, got)
+    if kernel == "tiled":
+        ops.attend_flash_f16_tiled(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, 0, n_keys, pos, window,
+                                   scale, got)
+    else:
+        ops.attend_flash_f16(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, kbeg, kend, pos, window, scale,
+                             np.full(n_tok, kinds[kernel], np.int64), np.full(n_tok, n_cells, np.int64), n_split,
+                             got)
     expect = _reference(q, kc, vc, kpos, pos, window, scale, kernel, n_cells, n_split)
     assert np.isfinite(expect).all()
     np.testing.assert_array_equal(got, expect)

@@ -489,10 +489,21 @@ class CPUBackend(NumpyBackend):
         kmap, kbeg, kend, kinds, cells = self._flash_f16_steps(kv, q.shape[0])
         codes = {"one_chunk": ops.FA_ONE_CHUNK, "tiled": ops.FA_TILED, "split": ops.FA_SPLIT}
         kc, vc = kv.kernel_arrays()
-        ops.attend_flash_f16(np.ascontiguousarray(q, F32), kc, vc, kv.pos, np.asarray(kmap, np.int64),
-                             np.asarray(kbeg, np.int64), np.asarray(kend, np.int64), np.asarray(pos, np.int64),
-                             kv.window, F32(scale), np.array([codes[k] for k in kinds], np.int64), cells,
-                             self.flash_splits(), out)
+        q = np.ascontiguousarray(q, F32)
+        kmap, pos = np.asarray(kmap, np.int64), np.asarray(pos, np.int64)
+        kernel = np.array([codes[k] for k in kinds], np.int64)
+        if (kernel != ops.FA_TILED).any():
+            ops.attend_flash_f16(q, kc, vc, kv.pos, kmap, np.asarray(kbeg, np.int64), np.asarray(kend, np.int64), pos,
+                                 kv.window, F32(scale), kernel, cells, self.flash_splits(), out)
+        t = 0
+        while t < len(kinds):  # a tiled chunk: consecutive rows of one sequence sharing their keys
+            t1 = t + 1
+            if kinds[t] == "tiled":
+                while t1 < len(kinds) and kinds[t1] == "tiled" and kbeg[t1] == kbeg[t] and kend[t1] == kend[t]:
+                    t1 += 1
+                ops.attend_flash_f16_tiled(q[t:t1], kc, vc, kv.pos, kmap, int(kbeg[t]), int(kend[t]), pos[t:t1],
+                                           kv.window, F32(scale), out[t:t1])
+            t = t1
 
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:

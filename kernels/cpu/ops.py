@@ -716,7 +716,8 @@ def attend_flash_quant(qq, qd, kc, vc, k_q4, v_q4, kpos, kmap, kbeg, kend, pos, 
 # a softmax per 64-cell tile with ggml's vectorized exp and a float64 sum, f32 value sums) and
 # split-KV (one query row, 512 or more cells: one-chunk partials over n_split cell ranges, merged
 # in range order). A key's cell is its position (a fresh context's cache holds position p in cell
-# p). reference.flash_attn_f16 is the twin.
+# p). attend_flash_f16 runs one-chunk and split-KV rows, attend_flash_f16_tiled a tiled chunk;
+# reference.flash_attn_f16 is their twin.
 FA_ONE_CHUNK, FA_TILED, FA_SPLIT = 0, 1, 2
 
 
@@ -757,78 +758,13 @@ def _fa_one_chunk(kf, vf, kmap, kpos, j0, j1, kstride, vstride, row_k, row_v, hd
     return m, s_sum
 
 
-@njit(inline="always")
-def _fa_tiled(kf, vf, kmap, kpos, j0, j1, kstride, vstride, row_k, row_v, hd, hdv, p, window, q, t, h, scale, vkq,
-              pt, tslot, tlane):
-    """ggml's tiled kernel for query row (t, h) (Q in f32): returns S, vkq the f32 value sum."""
-    for d in range(hdv):
-        vkq[d] = F32(0.0)
-    m = NEG_INF
-    s_sum = F32(0.0)
-    big = np.int64(1) << 62
-    j = j0
-    while j < j1:
-        # the visible keys of the next 64-cell tile
-        n = 0
-        tile = np.int64(-1)
-        while j < j1:
-            slot = kmap[j]
-            kp = kpos[slot]
-            if not _fa_visible(kp, p, window, np.int64(0), big):
-                j += 1
-                continue
-            if n > 0 and kp // 64 != tile:
-                break
-            tile = kp // 64
-            tslot[n] = slot
-            tlane[n] = kp - tile * 64
-            n += 1
-            j += 1
-        if n == 0:
-            break
-        for i in range(64):
-            pt[i] = NEG_INF
-        tmax = NEG_INF
-        for i in range(n):
-            ko = tslot[i] * kstride + row_k
-            acc = F32(0.0)
-            for d in range(hd):
-                acc = fma32(q[t, h, d], _load(kf[ko + d]), acc)
-            sc = acc * scale
-            pt[tlane[i]] = sc
-            if sc > tmax:
-                tmax = sc
-        m_new = max(m, tmax)
-        if m_new > m:
-            ms = np.exp(F32(m - m_new))
-            for d in range(hdv):
-                vkq[d] = vkq[d] * ms
-            s_sum = s_sum * ms
-        m = m_new
-        exp_shifted(pt, U(64), m)  # -inf (no key there) -> 0
-        total = 0.0
-        for c in range(0, 64, 8):
-            t0 = pt[c] + pt[c + 4]
-            t1 = pt[c + 1] + pt[c + 5]
-            t2 = pt[c + 2] + pt[c + 6]
-            t3 = pt[c + 3] + pt[c + 7]
-            total += np.float64((t0 + t2) + (t1 + t3))
-        s_sum = F32(np.float64(s_sum) + total)
-        for i in range(n):
-            pv = pt[tlane[i]]
-            vo = tslot[i] * vstride + row_v
-            for d in range(hdv):
-                vkq[d] = fma32(pv, _load(vf[vo + d]), vkq[d])
-    return s_sum
-
-
 @njit(cache=True, nogil=True, parallel=True)
 def attend_flash_f16(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, kernel, n_cells, n_split, out):
     """out (n_tok, n_head * hdv) float32 = ggml's CPU flash attention over an f16 cache.
     q float32 (n_tok, n_head, hd) (hd a multiple of 32); kc, vc uint16 (n_slots, n_kv, hd / hdv):
     the cache's f16 bits; token t attends to the slots kmap[kbeg[t]:kend[t]] (position order),
-    skipping keys it may not see, with kernel[t] (FA_ONE_CHUNK, FA_TILED, FA_SPLIT: n_cells[t]
-    cells cut into n_split ranges)."""
+    skipping keys it may not see, with kernel[t] (FA_ONE_CHUNK or FA_SPLIT: n_cells[t] cells cut
+    into n_split ranges; rows marked FA_TILED are left to attend_flash_f16_tiled)."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
     hdv = vc.shape[2]
@@ -846,22 +782,14 @@ def attend_flash_f16(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, kern
         p = pos[t]
         row_k = kh * hd
         row_v = kh * hdv
-        vkq = np.empty(hdv, F32)
-        if kernel[t] == FA_TILED:
-            pt = np.empty(64, F32)
-            tslot = np.empty(64, np.int64)
-            tlane = np.empty(64, np.int64)
-            s_sum = _fa_tiled(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv, p,
-                              window, q, t, h, scale, vkq, pt, tslot, tlane)
-            inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
-            for d in range(hdv):
-                out[t, h * hdv + d] = vkq[d] * inv
+        if kernel[t] == FA_TILED:  # (attend_flash_f16_tiled's rows)
             continue
+        vkq = np.empty(hdv, F32)
         qr = np.empty(hd, F32)
         for d in range(hd):
             qr[d] = _load(_store(q[t, h, d], z))
         if kernel[t] == FA_ONE_CHUNK:
-            m, s_sum = _fa_one_chunk(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv,
+            _, s_sum = _fa_one_chunk(kf, vf, kmap, kpos, kbeg[t], kend[t], kstride, vstride, row_k, row_v, hd, hdv,
                                      p, window, np.int64(0), big, qr, scale, vkq, z)
             inv = F32(0.0) if s_sum == F32(0.0) else F32(1.0) / s_sum
             for d in range(hdv):
@@ -888,3 +816,115 @@ def attend_flash_f16(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, kern
         inv = F32(1.0) / s_f if s_f != F32(0.0) else F32(1.0)
         for d in range(hdv):
             out[t, h * hdv + d] = acc[d] * inv
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_flash_f16_tiled(q, kc, vc, kpos, kmap, j0, j1, pos, window, scale, out):
+    """out (n_tok, n_head * hdv) float32 = ggml's tiled flash-attention kernel (64 or more rows of
+    one sequence) over an f16 cache: every row attends to the slots kmap[j0:j1] (position order),
+    skipping keys it may not see. Per row: Q in f32; per 64-cell tile with a key it sees, scores
+    as fma chains over d from 0 (simd_gemm), M = max(M, tile max) (glibc expf rescales the f32
+    value sum and S), probabilities by ggml's vectorized exp, their 8-lane sums added in float64
+    to S once per tile, values added by fma in key order; finally times 1 / S. Rows go by 64
+    (ggml's q tile) so that a tile's keys are converted once for all of them."""
+    n_tok, n_head, hd = q.shape
+    n_kv = kc.shape[1]
+    hdv = vc.shape[2]
+    g = n_head // n_kv
+    kf = kc.reshape(-1)
+    vf = vc.reshape(-1)
+    kstride = n_kv * hd
+    vstride = n_kv * hdv
+    n_qt = (n_tok + 63) // 64
+    for blk in prange(n_qt * n_head):
+        qt = blk // n_head
+        h = blk - qt * n_head
+        kh = h // g
+        r0 = qt * 64
+        nr = min(64, n_tok - r0)
+        kt = np.empty((hd, 64), F32)  # the tile's keys, transposed
+        vt = np.empty((64, hdv), F32)
+        vkq = np.zeros((64, hdv), F32)
+        m = np.full(64, NEG_INF, F32)
+        s_sum = np.zeros(64, F32)
+        pt = np.empty(64, F32)
+        kq = np.empty(64, F32)
+        tpos = np.empty(64, np.int64)
+        p_lo = pos[r0]
+        p_hi = pos[r0]
+        for r in range(nr):
+            p_lo = min(p_lo, pos[r0 + r])
+            p_hi = max(p_hi, pos[r0 + r])
+        j = j0
+        while j < j1:
+            # the next 64-cell tile's keys that some row of this q tile may see
+            n = 0
+            tile = np.int64(-1)
+            while j < j1:
+                slot = kmap[j]
+                kp = kpos[slot]
+                if kp < 0 or kp > p_hi or (window > 0 and p_lo - kp >= window):
+                    j += 1
+                    continue
+                if n > 0 and kp // 64 != tile:
+                    break
+                tile = kp // 64
+                tpos[n] = kp
+                ko = slot * kstride + kh * hd
+                for d in range(hd):
+                    kt[d, n] = _load(kf[ko + d])
+                vo = slot * vstride + kh * hdv
+                for d in range(hdv):
+                    vt[n, d] = _load(vf[vo + d])
+                n += 1
+                j += 1
+            if n == 0:
+                break
+            for r in range(nr):
+                p = pos[r0 + r]
+                seen = False
+                for i in range(n):
+                    if _fa_visible(tpos[i], p, window, np.int64(0), p + 1):
+                        seen = True
+                if not seen:
+                    continue
+                for i in range(n):
+                    kq[i] = F32(0.0)
+                for d in range(hd):
+                    qd = q[r0 + r, h, d]
+                    for i in range(n):
+                        kq[i] = fma32(qd, kt[d, i], kq[i])
+                for i in range(64):
+                    pt[i] = NEG_INF
+                tmax = NEG_INF
+                for i in range(n):
+                    if _fa_visible(tpos[i], p, window, np.int64(0), p + 1):
+                        sc = kq[i] * scale
+                        pt[tpos[i] - tile * 64] = sc
+                        if sc > tmax:
+                            tmax = sc
+                m_new = max(m[r], tmax)
+                if m_new > m[r]:
+                    ms = np.exp(F32(m[r] - m_new))
+                    for d in range(hdv):
+                        vkq[r, d] = vkq[r, d] * ms
+                    s_sum[r] = s_sum[r] * ms
+                m[r] = m_new
+                exp_shifted(pt, U(64), m_new)  # -inf (no key there, or one it may not see) -> 0
+                total = 0.0
+                for c in range(0, 64, 8):
+                    t0 = pt[c] + pt[c + 4]
+                    t1 = pt[c + 1] + pt[c + 5]
+                    t2 = pt[c + 2] + pt[c + 6]
+                    t3 = pt[c + 3] + pt[c + 7]
+                    total += np.float64((t0 + t2) + (t1 + t3))
+                s_sum[r] = F32(np.float64(s_sum[r]) + total)
+                for i in range(n):
+                    if _fa_visible(tpos[i], p, window, np.int64(0), p + 1):
+                        pv = pt[tpos[i] - tile * 64]
+                        for d in range(hdv):
+                            vkq[r, d] = fma32(pv, vt[i, d], vkq[r, d])
+        for r in range(nr):
+            inv = F32(0.0) if s_sum[r] == F32(0.0) else F32(1.0) / s_sum[r]
+            for d in range(hdv):
+                out[r0 + r, h * hdv + d] = vkq[r, d] * inv
