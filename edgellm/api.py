@@ -139,10 +139,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     from edgellm.scheduler import POLICIES
 
     _check_kv_type(kv_type)
-    flash_attn = flash_attn_arg(flash_attn)
-    if flash_attn and kv_type == "f32":
-        raise InvalidArgumentError("flash_attn='on' reads an f16 or quantized KV cache, not f32; use kv_type='f16' "
-                                   "or flash_attn='off'")
+    flash_attn = flash_attn_arg(flash_attn, kv_type)
     spec = spec_params(spec_type, spec_draft_n_max, spec_draft_n_min, spec_ngram_size_n, spec_ngram_size_m)
     if policy not in POLICIES:
         raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
@@ -161,14 +158,20 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
                  use_mmap=use_mmap, spec=spec, flash_attn=flash_attn)
 
 
-def flash_attn_arg(value) -> bool:
+def flash_attn_arg(value, kv_type: str = "f16") -> bool:
     """load()'s flash_attn ("on", "off", "auto" or a bool; llama.cpp's -fa) as a bool: "auto" is
-    llama.cpp's CPU choice, on."""
+    llama.cpp's CPU choice, on. On needs an f16 or quantized cache."""
     if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("on", "off", "auto"):
-        return value.lower() != "off"
-    raise InvalidArgumentError(f"flash_attn (-fa/--flash-attn) must be 'on', 'off', 'auto' or a bool, not {value!r}")
+        on = value
+    elif isinstance(value, str) and value.lower() in ("on", "off", "auto"):
+        on = value.lower() != "off"
+    else:
+        raise InvalidArgumentError(f"flash_attn (-fa/--flash-attn) must be 'on', 'off', 'auto' or a bool, "
+                                   f"not {value!r}")
+    if on and kv_type == "f32":
+        raise InvalidArgumentError("flash_attn='on' reads an f16 or quantized KV cache, not f32; use kv_type='f16' "
+                                   "or flash_attn='off'")
+    return on
 
 
 def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m):
