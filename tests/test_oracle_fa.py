@@ -2,7 +2,8 @@
 fixtures written by scripts/fixtures/make_fa_oracle.py with llama-cpp-python (f16 cache, a fresh
 context per prompt, 2 threads). Bit for bit: every recorded logit of every prompt position (one-chunk
 kernel for a short prompt, tiled for 64+ tokens) and of 32 one-token decode steps (one-chunk below
-257 cached tokens, split-KV into 2 cell ranges above), and the greedy tokens."""
+257 cached tokens, split-KV into 2 cell ranges above: of a 512-cell view, and past 512 tokens of a
+768-cell one, where Gemma-3's sliding window masks), and the greedy tokens."""
 from __future__ import annotations
 
 import json
