@@ -115,8 +115,9 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     the longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m).
     flash_attn (llama.cpp's -fa): "off" (default: llama.cpp's KQ / softmax / V^T P graph, what
     llama-cpp-python runs by default), "on" (an f16 cache read as llama.cpp's CPU flash attention
-    reads it: the bits of llama.cpp's tools, whose "auto" turns it on for the CPU; decode with 512
-    or more cached cells then depends on `threads`, as llama.cpp's on -t), "auto" (= "on" here:
+    reads it: the bits of llama.cpp's tools, whose "auto" turns it on for the CPU; a one-token decode
+    over 256 or more cached tokens (its split-KV kernel) then depends on `threads`, as llama.cpp's
+    on -t), "auto" (= "on" here:
     CPU layers; a GPU layer's attention is unchanged), or a bool. A q8_0 / q4_0 cache is always
     read by flash attention (llama.cpp needs it for a quantized V)."""
     from edgellm.config import ModelConfig
