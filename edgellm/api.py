@@ -83,7 +83,8 @@ def response_format_schema(rf):
 def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, threads: int | None = None,
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
          quiet: bool = True, use_mmap: bool | None = None, spec_type: str = "none", spec_draft_n_max: int = 16,
-         spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16) -> "Model":
+         spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16,
+         flash_attn="off") -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
@@ -96,7 +97,14 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     lookup: the tokens that followed the last earlier occurrence of the latest n-gram are verified
     in one step; the same tokens as plain decoding, faster on text that repeats its context);
     spec_draft_n_max / _n_min: the most / fewest tokens proposed in a step; spec_ngram_size_n / _m:
-    the longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m)."""
+    the longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m).
+    flash_attn (llama.cpp's -fa): "off" (default: llama.cpp's KQ / softmax / V^T P graph, what
+    llama-cpp-python runs by default), "on" (an f16 cache read as llama.cpp's CPU flash attention
+    reads it: the bits of llama.cpp's tools, whose "auto" turns it on for the CPU; a one-token decode
+    over 256 or more cached tokens (its split-KV kernel) then depends on `threads`, as llama.cpp's
+    on -t), "auto" (= "on" here:
+    CPU layers; a GPU layer's attention is unchanged), or a bool. A q8_0 / q4_0 cache is always
+    read by flash attention (llama.cpp needs it for a quantized V)."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -117,6 +125,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     from edgellm.scheduler import POLICIES
 
     _check_kv_type(kv_type)
+    flash_attn = flash_attn_arg(flash_attn, kv_type)
     spec = spec_params(spec_type, spec_draft_n_max, spec_draft_n_min, spec_ngram_size_n, spec_ngram_size_m)
     if policy not in POLICIES:
         raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
@@ -132,7 +141,23 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
                  threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
                  kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
-                 use_mmap=use_mmap, spec=spec)
+                 use_mmap=use_mmap, spec=spec, flash_attn=flash_attn)
+
+
+def flash_attn_arg(value, kv_type: str = "f16") -> bool:
+    """load()'s flash_attn ("on", "off", "auto" or a bool; llama.cpp's -fa) as a bool: "auto" is
+    llama.cpp's CPU choice, on. On needs an f16 or quantized cache."""
+    if isinstance(value, bool):
+        on = value
+    elif isinstance(value, str) and value.lower() in ("on", "off", "auto"):
+        on = value.lower() != "off"
+    else:
+        raise InvalidArgumentError(f"flash_attn (-fa/--flash-attn) must be 'on', 'off', 'auto' or a bool, "
+                                   f"not {value!r}")
+    if on and kv_type == "f32":
+        raise InvalidArgumentError("flash_attn='on' reads an f16 or quantized KV cache, not f32; use kv_type='f16' "
+                                   "or flash_attn='off'")
+    return on
 
 
 def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m):
@@ -173,7 +198,7 @@ class _CompileReport:
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
-                 use_mmap: bool = True, spec=None):
+                 use_mmap: bool = True, spec=None, flash_attn: bool = False):
         from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -189,11 +214,12 @@ class Model:
         self.n_batch = min(n_batch, n_ctx)
         self.n_seq = n_seq
         self.threads = threads
+        self.flash_attn = flash_attn
         self.tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
                               kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size)
         if backends is None:
-            backends = {"cpu": CPUBackend(threads, resident=not use_mmap)}
+            backends = {"cpu": CPUBackend(threads, resident=not use_mmap, flash_attn=flash_attn)}
             if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu":
                 from edgellm.kernels.cuda import require
 

@@ -133,6 +133,7 @@ def test_api_arguments_of_the_wrong_type_are_clear_errors(model, call, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_ctx="abc"), "n_ctx"), (dict(n_ctx=float("nan")), "n_ctx"), (dict(gpu_layers="abc"), "gpu_layers"),
     (dict(threads=0), "threads"), (dict(n_seq=True), "n_seq"), (dict(kv_size=-5), "kv_size"),
+    (dict(flash_attn="maybe"), "flash_attn"), (dict(flash_attn="on", kv_type="f32"), "f32"),
 ])
 def test_load_arguments_are_checked_before_anything_loads(smollm2_path, kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):

@@ -154,3 +154,18 @@ def test_ctrl_c_during_an_answer_prints_interrupted_on_a_line_of_its_own(smollm2
     assert p.returncode == 130, text
     assert text.endswith("\nedgellm: interrupted\n"), text[-200:]
     assert "Traceback" not in text
+
+
+def test_flash_attn_flag(smollm2_path):
+    """-fa/--flash-attn on|off|auto on the commands that load a model; an f32 cache with it on is one
+    clear line on stderr, before anything loads."""
+    from edgellm.cli import build_parser
+
+    parser = build_parser()
+    for cmd in ("run", "chat", "serve", "bench", "perplexity"):
+        extra = [str(smollm2_path)]
+        assert parser.parse_args([cmd, *extra]).flash_attn == "off"
+        assert parser.parse_args([cmd, *extra, "-fa", "on"]).flash_attn == "on"
+        assert parser.parse_args([cmd, *extra, "--flash-attn", "auto"]).flash_attn == "auto"
+    r = edgellm("run", str(smollm2_path), "-fa", "on", "--kv-type", "f32", "-p", "hi", "-n", "1")
+    assert r.returncode == 1 and "f32" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -62,6 +62,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                     help="keep the weights in the file mapping (default: copied into huge pages when they fit)")
     mm.add_argument("--no-mmap", dest="use_mmap", action="store_const", const=False,
                     help="copy the CPU layers' weights into huge-page memory (faster decode)")
+    add_flash_attn_argument(parser)
+
+
+def add_flash_attn_argument(parser: argparse.ArgumentParser) -> None:
+    """-fa/--flash-attn on|off|auto, as `edgellm.load(flash_attn=...)` takes it."""
+    parser.add_argument("-fa", "--flash-attn", dest="flash_attn", choices=("on", "off", "auto"), default="off",
+                        help="read an f16 KV cache as llama.cpp's CPU flash attention does (the bits of llama.cpp's "
+                             "tools, whose default auto is on for the CPU); default off: llama-cpp-python's "
+                             "default. A q8_0 / q4_0 cache always uses it")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers,
                                         kv_type=getattr(args, "kv_type", None) or "f16", background=True)
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads,
-                    "use_mmap": getattr(args, "use_mmap", None)}
+                    "use_mmap": getattr(args, "use_mmap", None), "flash_attn": getattr(args, "flash_attn", "off")}
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:
             load_options[option] = getattr(args, flag)

@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl-base", metavar="BASE", default=None,
                    help="also run BASE (e.g. the F16 file) on the same chunks and report KL(BASE || MODEL)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    from edgellm.commands.chat import add_flash_attn_argument
+
+    add_flash_attn_argument(p)
 
 
 def run(args) -> int:
@@ -28,10 +31,12 @@ def run(args) -> int:
     if args.ctx < 4 or args.batch < 1:
         raise InvalidArgumentError("-c must be >= 4 and -b >= 1")
     text = read_text(args.text)
-    model = edgellm.load(args.model, n_ctx=args.ctx, n_batch=args.batch, threads=args.threads, quiet=args.json)
+    model = edgellm.load(args.model, n_ctx=args.ctx, n_batch=args.batch, threads=args.threads, quiet=args.json,
+                         flash_attn=args.flash_attn)
     base = None
     if args.kl_base:
-        base = edgellm.load(args.kl_base, n_ctx=args.ctx, n_batch=args.batch, threads=args.threads, quiet=args.json)
+        base = edgellm.load(args.kl_base, n_ctx=args.ctx, n_batch=args.batch, threads=args.threads, quiet=args.json,
+                            flash_attn=args.flash_attn)
 
     def progress(i, n, ppl):
         if not args.json:

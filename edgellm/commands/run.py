@@ -110,13 +110,16 @@ def run(args) -> int:
     from edgellm.precompile import fetch_and_prepare
 
     args.kv_type = kv_type_of(args)
+    from edgellm.api import flash_attn_arg
+
+    flash_attn_arg(args.flash_attn, args.kv_type)  # a user error before the first run's compile
     # the first run of an install answers as soon as the first token's kernels are compiled (decode
     # steps run the unfused kernels, the same bits, while a worker compiles the fused one)
     path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers, kv_type=args.kv_type,
                                         verbose=args.verbose, background=True)
     model = edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                          threads=args.threads, vram=args.vram, kv_type=args.kv_type, quiet=False,
-                         use_mmap=args.use_mmap, **spec)
+                         use_mmap=args.use_mmap, flash_attn=args.flash_attn, **spec)
     if args.verbose:
         print_plan(model, sys.stderr)
     prompt, form = prompt_text(model, prompt, chat=args.chat, raw=args.raw, system=args.system)

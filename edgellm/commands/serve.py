@@ -117,7 +117,7 @@ def run(args) -> int:
     def load():
         return edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                             threads=args.threads, vram=args.vram, kv_type=args.cache_type_k, n_seq=args.parallel,
-                            kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap)
+                            kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn)
 
     engine = Engine(load, queue=args.queue)
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)

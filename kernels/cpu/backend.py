@@ -50,8 +50,11 @@ class NumpyBackend(Backend):
     device = "cpu"
     xp = np
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, flash_attn: bool = False):
         self.threads = threads
+        # flash_attn: an f16 cache is read as llama.cpp's CPU flash attention reads it (its tools'
+        # default on the CPU) instead of its KQ / softmax / V^T P graph; a quantized cache always is
+        self.flash_attn = bool(flash_attn)
         self._kernels = None
         self.rope_tables = RopeTables()
 
@@ -157,6 +160,8 @@ class NumpyBackend(Backend):
         order)."""
         if getattr(kv, "quant", None) is not None:  # llama.cpp reads these through flash attention
             return self._attention_flash_quant_ref(q, kv, pos, scale, out)
+        if self.flash_attn:
+            return self._attention_flash_f16_ref(q, kv, pos, scale, out)
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         groups = [(t, t + 1) for t in range(n_single)] + list(chunks)
         for t0, t1 in groups:
@@ -182,6 +187,59 @@ class NumpyBackend(Backend):
                 xq, xd = cpu.quantize("q8_32", np.ascontiguousarray(q[t, h], F32)).parts[:2]
                 out[t, h * hdv:(h + 1) * hdv] = ref.flash_attn_quant(xq, xd, kv.k[keys, h // g], kv.v[keys, h // g],
                                                                      q4, q4, scale)
+
+    def flash_splits(self) -> int:
+        """The cell ranges of llama.cpp's split-KV decode kernel: its thread count (-t), here
+        `threads` (else the kernels' thread count)."""
+        if self.threads:
+            return int(self.threads)
+        import numba
+
+        return numba.get_num_threads()
+
+    def _flash_f16_steps(self, kv, n_tok):
+        """(kmap, kbeg, kend, kernel name per token, n_cells per token) of a step over an f16 cache
+        read by flash attention: a token alone gets the decode kernel (split-KV from 512 cells on),
+        a chunk of a sequence's tokens the one-chunk (2..63 rows) or tiled (64+) kernel."""
+        from edgellm.kernels.cpu import reference as ref
+
+        if kv.k.dtype != np.float16:
+            from edgellm.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"flash attention reads an f16 or quantized KV cache, not {kv.k.dtype}; "
+                                       "use kv_type='f16' or flash_attn='off'")
+        if kv.k.shape[2] % 32:
+            from edgellm.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"flash attention over an f16 cache needs a key head size divisible by 32, "
+                                       f"not {kv.k.shape[2]}; use flash_attn='off'")
+        kmap, kbeg, kend, n_single, chunks = attention_layout(kv, n_tok)
+        kinds, cells = [None] * n_tok, np.zeros(n_tok, np.int64)
+        for t in range(n_single):
+            used = int(kv.pos[kmap[kbeg[t]:kend[t]]].max(initial=-1)) + 1  # its highest cell + 1
+            cells[t] = ref.flash_cells(used)
+            kinds[t] = ref.flash_kernel(1, int(cells[t]))
+        for t0, t1 in chunks:
+            kinds[t0:t1] = [ref.flash_kernel(t1 - t0, 0)] * (t1 - t0)
+        return kmap, kbeg, kend, kinds, cells
+
+    def _attention_flash_f16_ref(self, q, kv, pos, scale, out) -> None:
+        """An f16 cache through ggml's CPU flash attention, head by head (reference.flash_attn_f16)."""
+        from edgellm.kernels.cpu import reference as ref
+
+        kmap, kbeg, kend, kinds, cells = self._flash_f16_steps(kv, q.shape[0])
+        n_tok, n_head, _ = q.shape
+        g = n_head // kv.k.shape[1]
+        hdv = out.shape[1] // n_head
+        for t in range(n_tok):
+            keys = kmap[kbeg[t]:kend[t]]
+            kp = kv.pos[keys]
+            vis = (kp >= 0) & (kp <= pos[t]) & ((kv.window <= 0) | (pos[t] - kp < kv.window))
+            keys, kp = keys[vis], kp[vis]
+            for h in range(n_head):
+                out[t, h * hdv:(h + 1) * hdv] = ref.flash_attn_f16(
+                    np.asarray(q[t, h], F32), kv.k[keys, h // g], kv.v[keys, h // g], kp, scale, kinds[t],
+                    int(cells[t]), self.flash_splits())
 
     def _attend(self, q, kc, vc, kpos, pos, window, scale, out) -> None:
         """q (n_tok, n_head, hd_k) over the keys kc, vc (T, n_kv, hd) at positions kpos (-1: empty).
@@ -245,8 +303,8 @@ class CPUBackend(NumpyBackend):
     whole block for one token in one call), so a decode step of a layer is one kernel call instead
     of ~20 NumPy ones."""
 
-    def __init__(self, threads: int | None = None, resident: bool = False):
-        super().__init__(threads)
+    def __init__(self, threads: int | None = None, resident: bool = False, flash_attn: bool = False):
+        super().__init__(threads, flash_attn)
         from edgellm.resident import WeightArena
 
         # resident: weight matrices copied into huge-page memory (edgellm/resident.py), else mapped
@@ -392,6 +450,8 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         if kc.dtype == np.uint16 and not self.ops.F16_NATIVE:
             return super().attention(q, kv, pos, scale, out)
+        if self.flash_attn:
+            return self._attention_flash_f16(q, kv, pos, scale, out)
         kmap, kbeg, kend, n_single, chunks = attention_layout(kv, q.shape[0])
         z = kc.dtype.type(0)
         scale = F32(scale)
@@ -426,6 +486,28 @@ class CPUBackend(NumpyBackend):
                                     q4, q4, kv.pos, kmap, kbeg, kend, np.asarray(pos, np.int64), kv.window,
                                     F32(scale), out)
 
+    def _attention_flash_f16(self, q, kv, pos, scale, out) -> None:
+        """An f16 cache as llama.cpp reads one with flash attention on (ops.attend_flash_f16)."""
+        ops = self.ops
+        kmap, kbeg, kend, kinds, cells = self._flash_f16_steps(kv, q.shape[0])
+        codes = {"one_chunk": ops.FA_ONE_CHUNK, "tiled": ops.FA_TILED, "split": ops.FA_SPLIT}
+        kc, vc = kv.kernel_arrays()
+        q = np.ascontiguousarray(q, F32)
+        kmap, pos = np.asarray(kmap, np.int64), np.asarray(pos, np.int64)
+        kernel = np.array([codes[k] for k in kinds], np.int64)
+        if (kernel != ops.FA_TILED).any():
+            ops.attend_flash_f16(q, kc, vc, kv.pos, kmap, np.asarray(kbeg, np.int64), np.asarray(kend, np.int64), pos,
+                                 kv.window, F32(scale), kernel, cells, self.flash_splits(), out)
+        t = 0
+        while t < len(kinds):  # a tiled chunk: consecutive rows of one sequence sharing their keys
+            t1 = t + 1
+            if kinds[t] == "tiled":
+                while t1 < len(kinds) and kinds[t1] == "tiled" and kbeg[t1] == kbeg[t] and kend[t1] == kend[t]:
+                    t1 += 1
+                ops.attend_flash_f16_tiled(q[t:t1], kc, vc, kv.pos, kmap, int(kbeg[t]), int(kend[t]), pos[t:t1],
+                                           kv.window, F32(scale), out[t:t1])
+            t = t1
+
     def decode_block(self, L, x, pos, kv, s, *, eps, n_rot, freq_base, freq_scale, neox, scale, gelu,
                      q_scale=1.0) -> bool:
         """n decode tokens, each of its own sequence (the step layout's single tokens), through
@@ -442,7 +524,7 @@ class CPUBackend(NumpyBackend):
         blocks[i] with cache kvs[i] and RoPE (freq_base, freq_scale) ropes[i]. The same bits as the
         blocks one by one; False, having done nothing, when one of them needs the unfused ops (or
         the fused kernel is still being compiled: FUSED_READY)."""
-        if not FUSED_READY.is_set():
+        if not FUSED_READY.is_set() or self.flash_attn:  # (the fused kernel reads the cache without it)
             return False
         key = (tuple(map(id, blocks)), tuple(map(id, kvs)), tuple(ropes))
         stack = self._stacks.get(key)

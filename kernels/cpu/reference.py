@@ -360,3 +360,117 @@ def flash_attn_quant(qq: np.ndarray, qd: np.ndarray, keys: np.ndarray, values: n
         total = fma(total, ms, vs)
     inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
     return (out * inv).astype(F32)
+
+
+# --- flash attention over an f16 cache (ggml-cpu/ops.cpp, ggml_compute_forward_flash_attn_ext_f16) ---
+# One query row of one head sees its visible keys in cache order; a key's cell (its index in
+# llama.cpp's cache, the key's position in a fresh context) places it in a 64-key tile (tiled
+# kernel) or a thread's range of cells (split-KV). Three kernels, chosen by the batch:
+#   "one_chunk": decode with fewer than 512 cells, or 2..63 query rows;
+#   "tiled":     64 or more query rows;
+#   "split":     one query row and 512 or more cells (n_cells: the cache view, padded to 256),
+#                the cells cut into n_split (llama.cpp's thread count) ranges.
+def _flash_f16_partial(q, keys, values, scale):
+    """(M, S, VKQ float32 (hdv,)) of ggml's one-chunk kernel over these keys, not yet divided by S:
+    the query rounded to f16, scores by vec_dot_f16, an online softmax with glibc's expf, the value
+    sum kept in f16 (rounded after every key: ggml_vec_scale_f16 / ggml_vec_mad_f16)."""
+    expf = _expf()
+    qh = np.asarray(q, F32).astype(np.float16).astype(F32)
+    s_all = (dot_f16(np.asarray(keys, np.float16), qh, 4) * F32(scale)).astype(F32) if len(keys) else []
+    m, total = F32(-np.inf), F32(0.0)
+    acc = np.zeros(values.shape[1], F32)
+    v = np.asarray(values, np.float16).astype(F32)
+    for j, s in enumerate(s_all):
+        ms = vs = F32(1.0)
+        if s > m:
+            ms = expf(m - s)
+            m = s
+            acc = (acc * ms).astype(np.float16).astype(F32)
+        else:
+            vs = expf(s - m)
+        acc = fma(v[j], vs, acc).astype(np.float16).astype(F32)
+        total = fma(total, ms, vs)
+    return m, total, acc
+
+
+def _flash_f16_tiled(q, keys, values, cells, scale):
+    """ggml's tiled kernel for one query row: Q in float32, the scores of a 64-cell tile as fma
+    chains over the head dimension (simd_gemm), the tile's maximum folded into M (glibc expf
+    rescales), its probabilities by ggml's vectorized exp summed as ggml_vec_soft_max_f32 does
+    (8-lane float32 chunks, the chunks in float64, added to S in float64 once per tile), the
+    values accumulated in float32 by fma in key order."""
+    from edgellm.kernels.cpu.backend import _softmax_total, expf_ggml
+
+    expf = _expf()
+    q = np.asarray(q, F32)
+    k = np.asarray(keys, np.float16).astype(F32)
+    v = np.asarray(values, np.float16).astype(F32)
+    cells = np.asarray(cells, np.int64)
+    m, total = F32(-np.inf), F32(0.0)
+    acc = np.zeros(v.shape[1], F32)
+    for tile in np.unique(cells // 64):
+        idx = np.nonzero(cells // 64 == tile)[0]
+        kq = np.zeros(len(idx), F32)
+        for d in range(k.shape[1]):
+            kq = fma(q[d], k[idx, d], kq)
+        kq = (kq * F32(scale)).astype(F32)
+        m_new = max(m, kq.max())
+        if m_new > m:
+            ms = expf(m - m_new)
+            acc = (acc * ms).astype(F32)
+            total = F32(total * ms)
+        m = m_new
+        row = np.full(64, -np.inf, F32)
+        row[cells[idx] % 64] = kq
+        p = np.where(row == -np.inf, F32(0.0), expf_ggml((row - m).astype(F32))).astype(F32)
+        total = F32(np.float64(total) + _softmax_total(p)[0])
+        for i, j in enumerate(idx):
+            acc = fma(p[cells[j] % 64], v[j], acc)
+    inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
+    return (acc * inv).astype(F32)
+
+
+def flash_attn_f16(q, keys, values, cells, scale, kernel: str, n_cells: int = 0, n_split: int = 1) -> np.ndarray:
+    """float32 (hdv,): one head of one query row through ggml's CPU flash attention over an f16
+    cache (ops.attend_flash_f16's reference). q float32 (hd,); keys float16 (n, hd), values
+    float16 (n, hdv): the row's visible keys in cache order; cells int (n,): their cache cells;
+    kernel "one_chunk", "tiled" or "split" (see above)."""
+    if kernel == "tiled":
+        return _flash_f16_tiled(q, keys, values, cells, scale)
+    if kernel == "one_chunk":
+        _, total, acc = _flash_f16_partial(q, keys, values, scale)
+        inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
+        return (acc * inv).astype(F32)
+    assert kernel == "split"
+    expf = _expf()
+    cells = np.asarray(cells, np.int64)
+    chunk = -(-n_cells // n_split)
+    m_f, s_f = F32(-np.inf), F32(0.0)
+    acc_f = np.zeros(values.shape[1], F32)
+    for i in range(n_split):  # ggml_flash_attn_ext_reduce_partials, in chunk order
+        sel = (cells >= i * chunk) & (cells < (i + 1) * chunk)
+        m_c, s_c, acc_c = _flash_f16_partial(q, keys[sel], values[sel], scale)
+        if s_c == 0:
+            continue
+        m_new = max(m_f, m_c)
+        so, sn = expf(m_f - m_new), expf(m_c - m_new)
+        acc_f = fma(acc_f, so, (acc_c * sn).astype(F32))
+        s_f = fma(s_f, so, F32(s_c * sn))
+        m_f = m_new
+    if s_f != 0:
+        acc_f = (acc_f * F32(F32(1.0) / s_f)).astype(F32)
+    return acc_f
+
+
+def flash_kernel(n_rows: int, n_cells: int) -> str:
+    """Which of ggml's f16 flash-attention kernels runs for a batch of n_rows query rows of one
+    sequence over a cache view of n_cells cells (llama.cpp's n_kv, padded to 256)."""
+    if n_rows == 1 and n_cells >= 512:
+        return "split"
+    return "tiled" if n_rows >= 64 else "one_chunk"
+
+
+def flash_cells(n_used: int) -> int:
+    """llama.cpp's n_kv for a cache whose highest used cell is n_used - 1: max(256, n_used padded to
+    256) (llama_kv_cache::get_n_kv with flash attention's padding)."""
+    return max(256, -(-n_used // 256) * 256)

@@ -4,10 +4,10 @@
         [-c 512] [--chunks 8] [-t 2] [--record NAME]   # --record: store llama's numbers as a test fixture
 
 The text is edgellm's default (Python's pydoc topics), written to a temporary file for llama.cpp.
-llama-perplexity runs with -b equal to -c (one chunk per batch, as edgellm evaluates it) and, unless
---flash-attn says otherwise, -fa off: its default ("auto") turns on flash attention on the CPU, whose
-f16 attention sums edgellm does not reproduce (SmolLM2 -c 128, 2 chunks: PPL 9.3599 with it, 9.3698
-without; edgellm gives 9.3698).
+llama-perplexity runs with -b equal to -c (one chunk per batch, as edgellm evaluates it) and
+--flash-attn (default off; llama.cpp's own default "auto" turns flash attention on for the CPU:
+SmolLM2 -c 128, 2 chunks: PPL 9.3599 with it, 9.3698 without); edgellm loads with the same
+flash_attn (load(flash_attn=...): "on" follows llama.cpp's CPU flash-attention kernels).
 """
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ def main() -> int:
         out["llama"] = {"ppl": ppl, "ppl_err": err, "seconds": secs}
 
     t0 = time.perf_counter()
-    m = edgellm.load(args.model, n_ctx=args.ctx, n_batch=args.ctx, threads=args.threads)
-    base = edgellm.load(args.base, n_ctx=args.ctx, n_batch=args.ctx, threads=args.threads) if args.base else None
+    fa = args.flash_attn
+    m = edgellm.load(args.model, n_ctx=args.ctx, n_batch=args.ctx, threads=args.threads, flash_attn=fa)
+    base = (edgellm.load(args.base, n_ctx=args.ctx, n_batch=args.ctx, threads=args.threads, flash_attn=fa)
+            if args.base else None)
     r = perplexity(m, n_ctx=args.ctx, n_chunks=args.chunks, base=base)
     mine = {"ppl": r.ppl, "ppl_err": r.ppl_err, "seconds": time.perf_counter() - t0, "tokens_per_s": r.tokens_per_s}
     if r.kl:
