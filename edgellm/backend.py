@@ -138,6 +138,15 @@ class Backend(ABC):
 
             raise UnsupportedArchitectureError(f"the {self.device} backend has no RoPE frequency factors")
 
+    def set_attn_softcap(self, cap: float) -> None:
+        """Every later attention caps its raw scores: cap * tanh(score / cap) before the scale
+        (Gemma-2). Default: refused (a backend without it)."""
+        if cap:
+            from edgellm.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(f"the {self.device} backend has no attention soft cap (gemma2) "
+                                               "yet; run this model on the CPU (--gpu-layers 0)")
+
     def claim_thread(self) -> None:
         """Called at the start of every step in the thread that runs it (a backend whose settings
         belong to the calling thread re-applies them there). Default: nothing."""

@@ -85,7 +85,7 @@ class ModelConfig:
         factor = 1.0 if type(factor) in (int, float) and factor == 0 else m.number("rope.scaling.factor", 1.0)
         freq_scale = 1.0 / factor if scaling_type == "linear" else 1.0
         freq_base = m.number("rope.freq_base", 10000.0)
-        freq_base_swa = m.number("rope.freq_base_swa", module.Model.ROPE_FREQ_BASE_SWA)
+        freq_base_swa = m.number("rope.freq_base_swa", module.Model.ROPE_FREQ_BASE_SWA or freq_base)
         for key, base in (("rope.freq_base", freq_base), ("rope.freq_base_swa", freq_base_swa)):
             _check_rope_angles(m, key, base, "rope.scaling.factor", factor, freq_scale, n_rot)
         sliding_window = m.integer("attention.sliding_window", 0, lo=0)

@@ -313,7 +313,8 @@ def _write_metadata(w: GGUFWriter, arch: str, s: Shape, ggml_type: GGMLType, n_c
         # layers, then 1 global" unless attention.sliding_window_pattern says otherwise; sliding
         # layers use rope.freq_base_swa (default 10000), the global ones rope.freq_base.
         w.add_sliding_window(sliding_window)
-        w.add_rope_freq_base_swa(model.ROPE_FREQ_BASE_SWA)
+        if model.ROPE_FREQ_BASE_SWA is not None:
+            w.add_rope_freq_base_swa(model.ROPE_FREQ_BASE_SWA)
 
     for key, value in {**model.FILE_HPARAMS, **(hparams or {})}.items():
         if isinstance(value, int):

@@ -12,6 +12,7 @@ from types import ModuleType
 ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
+    "gemma2": "gemma2",
     "gemma3": "gemma3",
     "granite": "granite",
     "olmo2": "olmo2",

@@ -48,7 +48,8 @@ def ffn_chunks(n: int) -> list[tuple[int, int]]:
 
 class Decoder:
     ROPE_NEOX = False  # RoPE pairs (i, i + n_rot/2) instead of (2i, 2i+1)
-    ROPE_FREQ_BASE_SWA = 10000.0  # llama.cpp's default for `<arch>.rope.freq_base_swa`
+    # the RoPE base of sliding-window layers when the file gives none (None: the file's rope.freq_base)
+    ROPE_FREQ_BASE_SWA: float | None = None
     ACTIVATION = "silu"  # gated FFN: act(gate) * up; "silu" or "gelu" (tanh approximation)
     EMBED_SCALE = False  # multiply embeddings by sqrt(n_embd)
     # The attention scale multiplies q (float32, after RoPE) instead of the scores, as llama.cpp's
@@ -109,7 +110,12 @@ class Decoder:
         self.residual_scale = None  # on each block's attention and FFN outputs, before the residual add
         self.logit_scale = None  # on the logits
         self.attn_scale = cfg.attn_scale
+        self.attn_softcap = None  # Gemma-2's caps: on the attention scores, on the logits
+        self.final_softcap = None
         self.configure()
+        if self.attn_softcap is not None:
+            for b in {id(b): b for b in self.layer_backends}.values():
+                b.set_attn_softcap(self.attn_softcap)
         factors, mscale = self.rope_factors(gf, n_ctx)
         if factors is not None or mscale != 1.0:
             if factors is not None and not (np.isfinite(factors).all() and (factors > 0).all()):
@@ -132,8 +138,9 @@ class Decoder:
     @property
     def fused_decode(self) -> bool:
         """The backend's fused decode kernels take llama's pre-norm block (QK-norm per head) without
-        a residual multiplier."""
-        return self.residual_scale is None and self.PRE_NORM and not self.QK_NORM_WHOLE
+        a residual multiplier or an attention soft cap."""
+        return (self.residual_scale is None and self.attn_softcap is None and self.PRE_NORM
+                and not self.QK_NORM_WHOLE)
 
     def _load_block(self, gf, il: int, b) -> SimpleNamespace:
         w = dict.fromkeys(REQUIRED + OPTIONAL + tuple(name + "_bias" for name in BIASES))
@@ -291,5 +298,10 @@ class Decoder:
         b.linear(self.output, h, logits)
         if self.logit_scale is not None:
             logits *= self.logit_scale
-        return b.to_host(logits)
+        logits = b.to_host(logits)
+        if self.final_softcap is not None:  # cap * tanh(logits / cap) (on the host: the C library's tanhf)
+            from edgellm.kernels import cpu
+
+            cpu._import("ops").soft_cap(logits.reshape(-1), self.final_softcap)
+        return logits
 

@@ -13,6 +13,7 @@ class Model(Decoder):
     ACTIVATION = "gelu"
     EMBED_SCALE = True
     SCALE_Q = True  # llama.cpp scales q by the attention scale in the graph (ggml_scale), not the scores
+    ROPE_FREQ_BASE_SWA = 10000.0  # llama.cpp's gemma3 default for rope.freq_base_swa
     FILE_TENSORS = (("attn_q_norm.weight", "head_norm"), ("attn_k_norm.weight", "head_norm"),
                     ("post_attention_norm.weight", "embd_norm"), ("post_ffw_norm.weight", "embd_norm"))
     FILE_ROPE_FREQ_BASE = 1000000.0

@@ -21,7 +21,7 @@ from standin import StandInGPU
 
 SHAPE = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=320)
 ARCH_SHAPE = {"smollm3": {"n_layer": 4}}  # its fourth layer is the first without RoPE
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "olmo2", "phi3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "olmo2", "phi3", "gemma2"]
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_sliding_window_keeps_only_the_window(synthetic):
     assert np.abs(nowin[10:] - full[10:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "granite", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "granite", "olmo2", "phi3", "gemma2"])
 @pytest.mark.parametrize("n_gpu", [1, 3])
 def test_hybrid_standin_matches_cpu(synthetic, arch, n_gpu):
     path = synthetic(arch)
@@ -280,7 +280,7 @@ def test_a_sequence_on_blocks_out_of_order_attends_only_to_its_own_keys(syntheti
 @pytest.mark.parametrize("arch,qtype", [("llama", T.Q4_K), ("gemma3", T.Q4_K), ("llama", T.Q4_0),
                                         ("llama", T.Q4_1), ("qwen2", T.Q6_K), ("llama", T.Q3_K),
                                         ("smollm3", T.Q4_K), ("granite", T.Q4_K), ("olmo2", T.Q4_K),
-                                        ("phi3", T.Q4_K)])
+                                        ("phi3", T.Q4_K), ("gemma2", T.Q4_K)])
 def test_decode_tokens_of_several_sequences_get_the_bits_they_get_alone(synthetic, arch, qtype):
     """A step of decode tokens from 3 sequences (one fused block call for the three, each token
     on its own key list) gives each the logits of decoding it alone, bit for bit."""
@@ -414,3 +414,10 @@ def test_a_file_of_a_new_architecture_without_a_tensor_is_one_clear_error(tmp_pa
     path.write_bytes(bytes(data))
     with pytest.raises(edgellm.errors.EdgeLLMError, match=f"blk.1.{name}.weight"):
         edgellm.load(path)
+
+
+@pytest.mark.parametrize("kw", [{"kv_type": "q8_0"}, {"flash_attn": "on"}])
+def test_soft_capped_attention_with_a_flash_path_is_one_clear_error(synthetic, kw):
+    with pytest.raises(edgellm.errors.EdgeLLMError, match="soft-capped attention"):
+        m = edgellm.load(synthetic("gemma2"), n_ctx=64, **kw)
+        m.logits(TOKENS)

@@ -146,6 +146,25 @@ def test_attention(n_head, n_kv, hd, dtype, window, n_slots, n_past, n_tok):
     np.testing.assert_allclose(fast, twin, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("n_head,n_kv,hd,dtype,window,n_slots,n_past,n_tok", ATTENTION_CASES)
+def test_soft_capped_attention_matches_its_twin(n_head, n_kv, hd, dtype, window, n_slots, n_past, n_tok):
+    """Gemma-2's cap (cap * tanh(score / cap), before the scale) in the decode, per-head and batch
+    kernels against the NumPy twin; a cap of 2 changes the answer (scores up to ~10 here)."""
+    fast_kv, twin_kv = filled_pair(n_slots, n_kv, hd, hd, dtype, window, range(n_past + n_tok))
+    q = randn(n_tok, n_head, hd) * 3
+    pos = np.arange(n_past, n_past + n_tok, dtype=np.int64)
+    outs = {}
+    for cap in (0.0, 2.0):
+        fast, twin = CPUBackend(), NumpyBackend()
+        fast.set_attn_softcap(cap)
+        twin.set_attn_softcap(cap)
+        outs[cap] = [np.empty((n_tok, n_head * hd), F32) for _ in range(2)]
+        fast.attention(q, fast_kv, pos, 0.125, outs[cap][0])
+        twin.attention(q, twin_kv, pos, 0.125, outs[cap][1])
+        np.testing.assert_allclose(outs[cap][0], outs[cap][1], rtol=1e-4, atol=2e-5)
+    assert np.abs(outs[2.0][0] - outs[0.0][0]).max() > 1e-3
+
+
 def test_attention_window_one_returns_own_value():
     kv, _ = filled_pair(8, 1, 64, 64, np.float16, 1, range(6))
     q = randn(2, 2, 64)

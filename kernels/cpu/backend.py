@@ -61,6 +61,19 @@ class NumpyBackend(Backend):
     def set_rope_factors(self, factors, mscale: float = 1.0) -> None:
         self.rope_tables.set_factors(factors, mscale)
 
+    attn_softcap = F32(0.0)  # Gemma-2's soft cap on attention scores (0: none)
+
+    def set_attn_softcap(self, cap: float) -> None:
+        self.attn_softcap = F32(cap)
+
+    def _check_softcap(self, kv) -> None:
+        if self.attn_softcap > 0 and (getattr(kv, "quant", None) is not None or self.flash_attn):
+            from edgellm.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                "soft-capped attention (gemma2) runs with an f16 or f32 KV cache and flash attention off "
+                "only, for now: use --kv-type f16 and -fa off")
+
     # --- weights --------------------------------------------------------------------------
     @property
     def kernels(self):
@@ -158,6 +171,7 @@ class NumpyBackend(Backend):
         over the cache; out (n_tok, n_head * hd_v). Each token attends to its key list (the step
         layout): alone (ggml's one-token order) or with the other tokens of its chunk (the batch
         order)."""
+        self._check_softcap(kv)
         if getattr(kv, "quant", None) is not None:  # llama.cpp reads these through flash attention
             return self._attention_flash_quant_ref(q, kv, pos, scale, out)
         if self.flash_attn:
@@ -257,6 +271,10 @@ class NumpyBackend(Backend):
 
         n_acc = 4 if n_tok == 1 and hd % 32 == 0 else 1
         s = np.stack([np.stack([dot_f16(k[:, h], row, n_acc) for row in qh[h]]) for h in range(n_kv)])
+        if self.attn_softcap > 0:  # cap * tanhf(s / cap), each op in float32 as ggml's graph
+            flat = np.ascontiguousarray(s).reshape(-1)
+            self.kernels._import("ops").soft_cap(flat, self.attn_softcap)
+            s = flat.reshape(s.shape)
         s *= F32(scale)
         visible = (kpos[None, :] >= 0) & (kpos[None, :] <= pos[:, None])  # (n_tok, T)
         if window:
@@ -445,6 +463,7 @@ class CPUBackend(NumpyBackend):
         self.ops.gelu_mul(gate.reshape(-1, n), up.reshape(-1, n), gelu_f16_table(), out.reshape(-1, n))
 
     def attention(self, q, kv, pos, scale, out) -> None:
+        self._check_softcap(kv)
         if getattr(kv, "quant", None) is not None:
             return self._attention_flash_quant(q, kv, pos, scale, out)
         kc, vc = kv.kernel_arrays()
@@ -458,7 +477,7 @@ class CPUBackend(NumpyBackend):
         # ggml's order: vec_dot_f16's four accumulators for a token alone, tinyBLAS's one for a batch
         if n_single:
             self.ops.attend_ggml_decode(q[:n_single], kc, vc, kv.pos, kmap, kbeg[:n_single], kend[:n_single],
-                                        pos[:n_single], kv.window, scale, out[:n_single], z)
+                                        pos[:n_single], kv.window, scale, out[:n_single], z, self.attn_softcap)
         for t0, t1 in chunks:
             keys = kmap[kbeg[t0]:kend[t0]]
             used = len(keys)
@@ -470,7 +489,8 @@ class CPUBackend(NumpyBackend):
             # multiple of 8 keys
             vt = np.zeros((vv.shape[1], vv.shape[2], -(-used // 8) * 8), vv.dtype)
             vt[:, :, :used] = vv.transpose(1, 2, 0)
-            self.ops.attend_batch(q[t0:t1], kk, vt, kp, used, pos[t0:t1], kv.window, scale, out[t0:t1], z)
+            self.ops.attend_batch(q[t0:t1], kk, vt, kp, used, pos[t0:t1], kv.window, scale, out[t0:t1], z,
+                                  self.attn_softcap)
 
     def _attention_flash_quant(self, q, kv, pos, scale, out) -> None:
         """A q8_0 / q4_0 cache as llama.cpp reads one: its CPU flash attention, in its order

@@ -265,6 +265,22 @@ def round_to_cache(q, cache, out):
 # softmax scales, masks, subtracts the max, takes ggml's vectorized exp and sums 8-lane chunks
 # into a float64 total. Following that order makes attention the same bits as llama.cpp's.
 @njit(inline="always")
+def _soft_cap(raw, cap, inv_cap):
+    """Gemma-2's attention soft cap on a raw score, in ggml's graph order: (tanhf(raw * (1 / cap)))
+    * cap, each a float32 op (the C library's tanhf)."""
+    return np.tanh(raw * inv_cap) * cap
+
+
+@njit(cache=True, nogil=True)
+def soft_cap(x, cap):
+    """In place on float32 x (flat): cap * tanhf(x / cap) as ggml_scale, ggml_tanh, ggml_scale
+    compute it (Gemma-2's final logits)."""
+    inv = F32(1.0) / cap
+    for i in range(x.shape[0]):
+        x[i] = np.tanh(x[i] * inv) * cap
+
+
+@njit(inline="always")
 def _keys_padded(kbeg, kend, n_tok):
     """The most keys any of the n_tok tokens attends to, rounded up to a multiple of 8 (at least 8)."""
     n_pad = 8
@@ -289,15 +305,16 @@ def _lanes_reduce(acc, n_acc):
     return (t0 + t2) + (t1 + t3)
 
 
-def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_acc, out, z):
+def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_acc, out, z, softcap=F32(0.0)):
     """Attention as `attend` computes it, with every sum in ggml's order: n_acc = 4 for a single
     token (vec_dot_f16), 1 for a batch (tinyBLAS). hd and hd_v must be multiples of 8. Keys a
     query may not see are skipped: their score is -inf and their probability 0 in ggml too, and
     adding a product with 0 leaves an accumulator unchanged. Flat views and unsigned offsets
     let the 8-lane loops vectorize. kc, vc: the cache (n_slots, n_kv, hd); token t attends to the
     keys in slots kmap[kbeg[t]:kend[t]] (in position order; key j of that list is the j-th term of
-    its sums); z: a value of the cache's element type, the type q and the probabilities are rounded to.
-    Decode runs attend_decode, which gives what this gives with n_acc = 4, faster (and this, for a
+    its sums); z: a value of the cache's element type, the type q and the probabilities are rounded to;
+    softcap > 0: each score is softcap * tanhf(score / softcap) before `scale` (Gemma-2's soft cap, as
+    ggml's graph scales, takes tanh and scales back). Decode runs attend_decode, which gives what this gives with n_acc = 4, faster (and this, for a
     single KV head); a batch runs attend_batch, which gives what this gives with n_acc = 1, faster."""
     n_tok, n_head, hd = q.shape
     n_kv = kc.shape[1]
@@ -311,6 +328,7 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
     n_lanes = lane_groups * U(8)
     n_pairs = n_tok * n_head
     n_chunks = min(n_pairs, ATTN_CHUNKS)
+    inv_cap = F32(1.0) / softcap if softcap > F32(0.0) else F32(0.0)
     # (token, head) pairs in interleaved chunks (a causal batch's late tokens cost more), with the
     # scratch allocated once per chunk
     for chunk in prange(n_chunks):
@@ -337,9 +355,10 @@ def _attend_ggml_rows(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, n_a
                     continue
                 base = (U(slot) * unkv + kh) * uhd
                 if n_acc == 4:
-                    v = dot_f16(kf, base, qr, U(0), uhd, 4) * scale
+                    v = dot_f16(kf, base, qr, U(0), uhd, 4)
                 else:
-                    v = dot_f16(kf, base, qr, U(0), uhd, 1) * scale
+                    v = dot_f16(kf, base, qr, U(0), uhd, 1)
+                v = _soft_cap(v, softcap, inv_cap) * scale if softcap > F32(0.0) else v * scale
                 s[j] = v
                 if v > m:
                     m = v
@@ -411,7 +430,7 @@ def _pv_pass(vf, kmap, k0, used, v_off, row_stride, e, pp, p_off, n_pad, accv, a
 
 
 @njit(inline="always")
-def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z, softcap=F32(0.0)):
     """attend_ggml with n_acc = 4 (decode tokens: vec_dot_f16's order), the same bits, with the
     heads that share a KV head taken together: each key's and value's row is read and converted
     once for them (attend_ggml reads it once per head, in another thread's chunk: at 2048 keys a
@@ -432,8 +451,10 @@ def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z
         while g % c:
             c -= 1
     if c == 1:  # a head per item: attend_ggml's chunks of heads
-        _attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z)
+        _attend_ggml(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, 4, out, z, softcap)
         return
+    capped = softcap > F32(0.0)
+    inv_cap = F32(1.0) / softcap if capped else F32(0.0)
     per = g // c
     n_items = n_tok * n_kv * per
     uhd, uhdv, unkv = U(hd), U(hdv), U(n_kv)
@@ -464,8 +485,12 @@ def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z
         while i0 < c:
             nq = min(c - i0, DECODE_HEADS)
             _scores_pass(kf, kmap, U(k0), U(used), U(kh) * uhd, unkv * uhd, qr, U(i0) * uhd, uhd, s,
-                         U(i0) * U(n_pad), U(n_pad), scale, nq)
+                         U(i0) * U(n_pad), U(n_pad), F32(1.0) if capped else scale, nq)
             i0 += nq
+        if capped:  # the raw scores (times 1.0: unchanged) through the soft cap, then the scale
+            for i in range(c):
+                for j in range(used):
+                    s[i * n_pad + j] = _soft_cap(s[i * n_pad + j], softcap, inv_cap) * scale
         for j in range(used):
             kp = kpos[kmap[k0 + j]]
             if kp < 0 or kp > p or (window > 0 and p - kp >= window):
@@ -508,9 +533,9 @@ def _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z):
+def attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z, softcap=F32(0.0)):
     """_attend_decode: attend_ggml for decode tokens (n_acc = 4), as the fused decode step runs it."""
-    _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z)
+    _attend_decode(q, kc, vc, kpos, kmap, kbeg, kend, pos, window, scale, out, z, softcap)
 
 
 attend_ggml_decode = attend_decode  # (the unfused step's name for it)
@@ -531,7 +556,7 @@ def _scores_heads(ng, kf, k_off, kstride, qr, q_off, q_stride, s, s_off, s_strid
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
+def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z, softcap=F32(0.0)):
     """What attend_ggml computes for a batch (n_acc = 1, tinyBLAS's order), bit for bit, faster.
     kc: the cache's keys (size, n_kv, hd); vt: its values transposed, (n_kv, hdv, n_pad) with
     n_pad a multiple of 8 >= used and zeros past `used` (as ggml keeps V transposed for this
@@ -553,6 +578,8 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
     n_pairs = n_tok * n_kv  # (token, KV head) pairs: the heads sharing a KV head go together
     per = 3 if g % 3 == 0 else (2 if g > 1 else 1)
     n_chunks = min(n_pairs, ATTN_CHUNKS)
+    capped = softcap > F32(0.0)
+    inv_cap = F32(1.0) / softcap if capped else F32(0.0)
     # per token, once for all its heads: one past its last visible key, and whether every key
     # before that one is visible (a causal batch in a fresh cache: no mask to check per key)
     ends = np.empty(n_tok, np.int64)
@@ -600,7 +627,7 @@ def attend_batch(q, kc, vt, kpos, used, pos, window, scale, out, z):
                     if not visible and (kp < 0 or kp > p or (window > 0 and p - kp >= window)):
                         s[j] = NEG_INF
                     else:
-                        v = s[j] * scale
+                        v = _soft_cap(s[j], softcap, inv_cap) * scale if capped else s[j] * scale
                         s[j] = v
                         if v > m:
                             m = v

@@ -19,10 +19,12 @@ import make_oracle  # noqa: E402
 SHAPES = {"smollm3": (2048, 16, 4, 11008),  # SmolLM3-3B
           "granite": (2048, 32, 8, 8192),  # Granite-3.3-2B
           "olmo2": (2048, 16, 16, 8192),  # OLMo-2-0425-1B
-          "phi3": (3072, 32, 32, 8192)}  # Phi-3.5-mini (head 96, LongRoPE long factors)
+          "phi3": (3072, 32, 32, 8192),  # Phi-3.5-mini (head 96, LongRoPE long factors)
+          "gemma2": (2304, 8, 4, 9216)}  # Gemma-2-2B (head 256; window 4096 > the prompt: 16 here)
 UNTIED = {"olmo2", "phi3"}  # llama.cpp loads these only with an output head of their own
 # the arch's own file contents: phi3's LongRoPE (long: 512 > 256) factors, a name without "phi3"
-EXTRA = {"phi3": dict(name="synthetic-longrope", hparams={"rope.scaling.original_context_length": 256,
+EXTRA = {"gemma2": dict(head_dim=256, sliding_window=16),
+         "phi3": dict(name="synthetic-longrope", hparams={"rope.scaling.original_context_length": 256,
                                                            "rope.scaling.attn_factor": 1.1902380714238083},
                       f32_tensors={"rope_factors_long.weight": [1 + i * 0.5 for i in range(48)],
                                    "rope_factors_short.weight": [1 + i / 96 for i in range(48)]})}
