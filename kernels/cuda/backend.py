@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
-from edgellm.errors import InvalidArgumentError, OutOfMemoryError
+from edgellm.errors import InvalidArgumentError, OutOfMemoryError, UnsupportedTensorTypeError
 from edgellm.kernels import cuda as _cuda
 from edgellm.quants import quant_type
 
@@ -67,6 +67,8 @@ QUANT_KERNELS: dict[GGMLType, QuantKernels] = {
     GGMLType.Q5_K: QuantKernels("quant_k", "q5_k", 16, "q8_k"),
     GGMLType.Q6_K: QuantKernels("quant_k", "q6_k", 16, "q8_k"),
 }
+# Types the CPU backend runs and no CUDA kernel does yet: layers holding them stay on the CPU.
+CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS))
 ACT_BLOCK = {"q8_32": 32, "q8_k": 256}  # values per activation block
 Q8_1_WEIGHTS = (GGMLType.Q4_1, GGMLType.Q5_1)  # products add m_w * fp16(d_x * sum(q_x)) per block
 
@@ -163,6 +165,10 @@ class CudaBackend(Backend):
     def weight(self, t):
         """Matrices: raw blocks uploaded once (QMatrix with a cupy uint8 (n_rows, row_bytes) data);
         vectors (norms, biases): float32 (n,) on the device."""
+        if len(t.ne) != 1 and t.qtype.ggml_type not in QUANT_KERNELS:
+            raise UnsupportedTensorTypeError(
+                f"{t.name} is {t.qtype.name}, which has no CUDA kernels yet; run with --gpu-layers 0 "
+                f"(gpu_layers=0) or requantize the file to a K-quant or legacy type")
         try:
             if len(t.ne) == 1:
                 return self.cp.asarray(np.ascontiguousarray(t.as_float32().reshape(-1), dtype=F32))
@@ -512,4 +518,4 @@ def _check_shape(name: str, a, shape) -> None:
         raise InvalidArgumentError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-__all__ = ["CudaBackend", "CudaKVLayer", "KV_STORE_KERNELS", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]
+__all__ = ["CPU_ONLY_TYPES", "CudaBackend", "CudaKVLayer", "KV_STORE_KERNELS", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]
