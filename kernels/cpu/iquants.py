@@ -29,8 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, fma32, load_f16, njit, prange
+from edgellm.kernels.cpu.common import (AVX2, F32, I32, JIT, U, _abs_sign, _fn, _i8, _i16, _i32, _load,
+                                        _splat, f16_to_f32, fma32, load_f16, njit, prange)
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
 
@@ -49,28 +53,74 @@ def _xs_scale(row, o, s):
     return (lo | (((sh >> I32(2 * s)) & I32(3)) << I32(4))) - I32(32)
 
 
-@njit(inline="always")
-def _quad(row, q, xq, x, lane):
-    """sum of KVALUES[code] * x over weights 4 lane .. 4 lane + 3 (lane 0..7) of the 16 code bytes at
-    row[q:] and the 32 activations at xq[x:] (exact int32)."""
-    s = I32(0)
-    if lane < U(4):
-        for i in range(U(4)):
-            s += KVALUES[row[q + U(4) * lane + i] & U(15)] * I32(xq[x + U(4) * lane + i])
-    else:
-        for i in range(U(4)):
-            s += KVALUES[row[q + U(4) * (lane - U(4)) + i] >> U(4)] * I32(xq[x + U(4) * lane + i])
-    return s
+# --- one 32-weight block's integer products, as LLVM vector IR ---------------------------------
+# The 16 code bytes become 32 int8 values with one byte shuffle (pshufb on the value table, as
+# ggml does), then |w| x sign(x, w) pair sums (pmaddubsw: |w| <= 127, |x| <= 127, so the pair sums
+# fit int16) and quad sums (pmaddwd): lane j = weights 4j .. 4j + 3, exact.
+def _iq4_values(builder, raw):
+    """<16 x i8> code bytes -> <32 x i8>: the values of the low nibbles, then of the high."""
+    nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
+                                 ir.Constant(_i32(32), list(range(32))))
+    nib = builder.and_(nib, ir.Constant(_i8(32), [15] * 32))
+    table = ir.Constant(_i8(32), [int(v) for v in KVALUES] * 2)
+    if AVX2:
+        return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", _i8(32), [_i8(32), _i8(32)]), [table, nib])
+    vals = ir.Constant(_i8(32), ir.Undefined)
+    for i in range(32):
+        idx = builder.extract_element(nib, ir.Constant(ir.IntType(32), i))
+        vals = builder.insert_element(vals, builder.extract_element(table, idx), ir.Constant(ir.IntType(32), i))
+    return vals
 
 
-@njit(inline="always")
-def _dot32(row, q, xq, x):
-    """sum of KVALUES[code] * x over the 32 weights of the 16 code bytes at row[q:] (exact int32)."""
-    s = I32(0)
-    for i in range(U(16)):
-        c = row[q + i]
-        s += KVALUES[c & U(15)] * I32(xq[x + i]) + KVALUES[c >> U(4)] * I32(xq[x + U(16) + i])
-    return s
+def _iq4_quads(builder, raw, xv):
+    """<8 x i32>: lane j = sum of value * x over weights 4j .. 4j + 3 of one block."""
+    w = _iq4_values(builder, raw)
+    if AVX2:
+        u, s = _abs_sign(builder, w, xv)
+        pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u, s])
+        ones = ir.Constant(_i16(16), [1] * 16)
+        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [pairs, ones])
+    prod = builder.mul(builder.sext(w, _i32(32)), builder.sext(xv, _i32(32)))
+    quads = None
+    for k in range(4):
+        part = builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), [4 * j + k for j in range(8)]))
+        quads = part if quads is None else builder.add(quads, part)
+    return quads
+
+
+def _block_quads(context, builder, signature, args):
+    raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
+    xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
+    return _iq4_quads(builder, raw, xv)
+
+
+@intrinsic
+def _dot32(typingctx, w, w_off, x, x_off):
+    """int32: sum of KVALUES[code] * x over the 32 weights of the 16 code bytes at w[w_off:] (uint8)
+    and the 32 int8 activations at x[x_off:] (exact)."""
+    sig = types.int32(w, types.uint64, x, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        q = _block_quads(context, builder, signature, args)
+        return builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_i32(8)]), [q])
+
+    return sig, codegen
+
+
+@intrinsic
+def _quads_into(typingctx, w, w_off, x, x_off, scale, acc):
+    """acc[0:8] (int32) += scale * the block's eight quad sums (see _iq4_quads); exact."""
+    sig = types.none(w, types.uint64, x, types.uint64, types.int32, acc)
+
+    def codegen(context, builder, signature, args):
+        q = _block_quads(context, builder, signature, args)
+        q = builder.mul(q, _splat(builder, args[4], _i32(8)))
+        data = context.make_array(signature.args[5])(context, builder, args[5]).data
+        ptr = builder.bitcast(data, _i32(8).as_pointer())
+        builder.store(builder.add(builder.load(ptr, align=4), q), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(inline="always")
@@ -123,9 +173,17 @@ def row_iq4_nl_repacked(row, xq, xd, t, nb):
 
 
 @njit(inline="always")
-def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2):
-    """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks 2i into a1, 2i + 1 into a2 (8 lanes each, scratch),
-    hsum_float_8(a1 + a2), then an odd last block as a scalar fma."""
+def _fma_lanes(d, iq, acc):
+    """acc[l] = fma(d, f32(iq[l]), acc[l]) for the 8 lanes; iq zeroed for the next block."""
+    for lane in range(8):
+        acc[lane] = fma32(d, F32(iq[lane]), acc[lane])
+        iq[lane] = 0
+
+
+@njit(inline="always")
+def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2, iq):
+    """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks 2i into a1, 2i + 1 into a2 (8 lanes each, scratch;
+    iq: 8 int32 of scratch, zero), hsum_float_8(a1 + a2), then an odd last block as a scalar fma."""
     for lane in range(8):
         a1[lane] = F32(0.0)
         a2[lane] = F32(0.0)
@@ -133,11 +191,10 @@ def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2):
     while j + U(1) < nb:
         b = t * nb + j
         o = j * U(IQ4_NL_BYTES)
-        d1 = load_f16(row, o) * xd[b]
-        d2 = load_f16(row, o + U(IQ4_NL_BYTES)) * xd[b + U(1)]
-        for lane in range(U(8)):
-            a1[lane] = fma32(d1, F32(_quad(row, o + U(2), xq, b * U(32), lane)), a1[lane])
-            a2[lane] = fma32(d2, F32(_quad(row, o + U(IQ4_NL_BYTES + 2), xq, (b + U(1)) * U(32), lane)), a2[lane])
+        _quads_into(row, o + U(2), xq, b * U(32), I32(1), iq)
+        _fma_lanes(load_f16(row, o) * xd[b], iq, a1)
+        _quads_into(row, o + U(IQ4_NL_BYTES + 2), xq, (b + U(1)) * U(32), I32(1), iq)
+        _fma_lanes(load_f16(row, o + U(IQ4_NL_BYTES)) * xd[b + U(1)], iq, a2)
         j += U(2)
     for lane in range(8):
         a1[lane] = a1[lane] + a2[lane]
@@ -150,7 +207,7 @@ def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2):
 
 
 @njit(inline="always")
-def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1):
+def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1, iq):
     """tinyBLAS_Q0_AVX (llama.cpp's batches of unrepacked IQ4_NL): one 8-lane accumulator,
     acc = fma(d_w * d_x, lanes, acc) per block; hsum."""
     for lane in range(8):
@@ -158,9 +215,8 @@ def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1):
     for j in range(nb):
         b = t * nb + j
         o = j * U(IQ4_NL_BYTES)
-        d = load_f16(row, o) * xd[b]
-        for lane in range(U(8)):
-            a1[lane] = fma32(d, F32(_quad(row, o + U(2), xq, b * U(32), lane)), a1[lane])
+        _quads_into(row, o + U(2), xq, b * U(32), I32(1), iq)
+        _fma_lanes(load_f16(row, o) * xd[b], iq, a1)
     return hsum8(a1)
 
 
@@ -173,9 +229,9 @@ def matvec_iq4_nl(raw, xq, xd, xs, xm, out):
             out[r] = row_iq4_nl_repacked(raw[r], xq, xd, U(0), nb)
     else:
         for c in prange((n + 15) // 16):
-            a1, a2 = np.empty(8, F32), np.empty(8, F32)
+            a1, a2, iq = np.empty(8, F32), np.empty(8, F32), np.zeros(8, I32)
             for r in range(c * 16, min(c * 16 + 16, n)):
-                out[r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(0), nb, a1, a2)
+                out[r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(0), nb, a1, a2, iq)
 
 
 @njit(**JIT)
@@ -186,33 +242,31 @@ def matmul_iq4_nl(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     repacked = n_rows % REPACK_ROWS == 0
     for c in prange((n_rows + 15) // 16):
-        a1, a2 = np.empty(8, F32), np.empty(8, F32)
+        a1, a2, iq = np.empty(8, F32), np.empty(8, F32), np.zeros(8, I32)
         for t in range(n_tok):
             for r in range(c * 16, min(c * 16 + 16, n_rows)):
                 if repacked:
                     out[t, r] = row_iq4_nl_repacked(raw[r], xq, xd, U(t), nb)
                 elif n_tok == 1:
-                    out[t, r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(t), nb, a1, a2)
+                    out[t, r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(t), nb, a1, a2, iq)
                 else:
-                    out[t, r] = row_iq4_nl_tinyblas(raw[r], xq, xd, U(t), nb, a1)
+                    out[t, r] = row_iq4_nl_tinyblas(raw[r], xq, xd, U(t), nb, a1, iq)
 
 
 # --- IQ4_XS row dot products (x: "q8_k" parts, token t's super-blocks at t * nb ...) ---------------
 @njit(inline="always")
-def row_iq4_xs_vec_dot(row, xq, xd, t, nb, acc):
+def row_iq4_xs_vec_dot(row, xq, xd, t, nb, acc, iq):
     """ggml_vec_dot_iq4_xs_q8_K (AVX2): per super-block 8 integer lanes sum_s (ls_s - 32) * quad,
-    acc = fma(d_w * d_x, f32(lanes), acc) (8 lanes, scratch); hsum_float_8."""
+    acc = fma(d_w * d_x, f32(lanes), acc) (8 lanes, scratch; iq: 8 int32 of scratch, zero);
+    hsum_float_8."""
     for lane in range(8):
         acc[lane] = F32(0.0)
     for j in range(nb):
         b = t * nb + j
         o = j * U(IQ4_XS_BYTES)
-        d = load_f16(row, o) * xd[b]
-        for lane in range(U(8)):
-            s = I32(0)
-            for sb in range(U(8)):
-                s += _xs_scale(row, o, sb) * _quad(row, o + U(8) + U(16) * sb, xq, b * U(256) + U(32) * sb, lane)
-            acc[lane] = fma32(d, F32(s), acc[lane])
+        for sb in range(U(8)):
+            _quads_into(row, o + U(8) + U(16) * sb, xq, b * U(256) + U(32) * sb, _xs_scale(row, o, sb), iq)
+        _fma_lanes(load_f16(row, o) * xd[b], iq, acc)
     return hsum8(acc)
 
 
@@ -235,9 +289,9 @@ def matvec_iq4_xs(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
     n = raw.shape[0]
     for c in prange((n + 15) // 16):
-        acc = np.empty(8, F32)
+        acc, iq = np.empty(8, F32), np.zeros(8, I32)
         for r in range(c * 16, min(c * 16 + 16, n)):
-            out[r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(0), nb, acc)
+            out[r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(0), nb, acc, iq)
 
 
 @njit(**JIT)
@@ -248,13 +302,13 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
     nb = U(xd.size // n_tok)
     tiled = n_tok >= TILED_MIN
     for c in prange((n_rows + 15) // 16):
-        acc = np.empty(8, F32)
+        acc, iq = np.empty(8, F32), np.zeros(8, I32)
         for t in range(n_tok):
             for r in range(c * 16, min(c * 16 + 16, n_rows)):
                 if tiled:
                     out[t, r] = row_iq4_xs_tiled(raw[r], xq, xd, U(t), nb)
                 else:
-                    out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb, acc)
+                    out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb, acc, iq)
 
 
 KERNELS = {
