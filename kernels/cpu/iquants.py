@@ -107,6 +107,43 @@ def _dot32(typingctx, w, w_off, x, x_off):
     return sig, codegen
 
 
+def _fma8(context, builder, signature, d, ints, acc_arg, acc_index):
+    """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
+    f8 = ir.VectorType(ir.FloatType(), 8)
+    data = context.make_array(signature.args[acc_index])(context, builder, acc_arg).data
+    ptr = builder.bitcast(data, f8.as_pointer())
+    fma = _fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
+    res = builder.call(fma, [_splat(builder, d, f8), builder.sitofp(ints, f8), builder.load(ptr, align=4)])
+    builder.store(res, ptr, align=4)
+
+
+@intrinsic
+def _fma_quads(typingctx, w, w_off, x, x_off, d, acc):
+    """acc[0:8] (float32) = fma(d, f32(the block's eight quad sums), acc), lane by lane."""
+    sig = types.none(w, types.uint64, x, types.uint64, types.float32, acc)
+
+    def codegen(context, builder, signature, args):
+        _fma8(context, builder, signature, args[4], _block_quads(context, builder, signature, args), args[5], 5)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fma_ints(typingctx, d, iq, acc):
+    """acc[0:8] (float32) = fma(d, f32(iq[0:8]), acc) lane by lane; iq (int32) set to zero."""
+    sig = types.none(types.float32, iq, acc)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        ptr = builder.bitcast(data, _i32(8).as_pointer())
+        _fma8(context, builder, signature, args[0], builder.load(ptr, align=4), args[2], 2)
+        builder.store(ir.Constant(_i32(8), [0] * 8), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def _quads_into(typingctx, w, w_off, x, x_off, scale, acc):
     """acc[0:8] (int32) += scale * the block's eight quad sums (see _iq4_quads); exact."""
@@ -173,17 +210,39 @@ def row_iq4_nl_repacked(row, xq, xd, t, nb):
 
 
 @njit(inline="always")
-def _fma_lanes(d, iq, acc):
-    """acc[l] = fma(d, f32(iq[l]), acc[l]) for the 8 lanes; iq zeroed for the next block."""
-    for lane in range(8):
-        acc[lane] = fma32(d, F32(iq[lane]), acc[lane])
-        iq[lane] = 0
+def rows4_iq4_nl_repacked(w0, w1, w2, w3, xq, xd, t, nb):
+    """row_iq4_nl_repacked of four rows at once (four independent fma chains)."""
+    a0 = a1 = a2 = a3 = F32(0.0)
+    for j in range(nb):
+        b = t * nb + j
+        o = j * U(IQ4_NL_BYTES)
+        xo, dx = b * U(32), xd[b]
+        a0 = fma32(F32(_dot32(w0, o + U(2), xq, xo)), load_f16(w0, o) * dx, a0)
+        a1 = fma32(F32(_dot32(w1, o + U(2), xq, xo)), load_f16(w1, o) * dx, a1)
+        a2 = fma32(F32(_dot32(w2, o + U(2), xq, xo)), load_f16(w2, o) * dx, a2)
+        a3 = fma32(F32(_dot32(w3, o + U(2), xq, xo)), load_f16(w3, o) * dx, a3)
+    return a0, a1, a2, a3
 
 
 @njit(inline="always")
-def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2, iq):
-    """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks 2i into a1, 2i + 1 into a2 (8 lanes each, scratch;
-    iq: 8 int32 of scratch, zero), hsum_float_8(a1 + a2), then an odd last block as a scalar fma."""
+def tokens4_iq4_nl_repacked(row, xq, xd, t, nb):
+    """row_iq4_nl_repacked of one row for tokens t .. t + 3."""
+    a0 = a1 = a2 = a3 = F32(0.0)
+    for j in range(nb):
+        b = t * nb + j
+        o = j * U(IQ4_NL_BYTES)
+        dw = load_f16(row, o)
+        a0 = fma32(F32(_dot32(row, o + U(2), xq, b * U(32))), dw * xd[b], a0)
+        a1 = fma32(F32(_dot32(row, o + U(2), xq, (b + nb) * U(32))), dw * xd[b + nb], a1)
+        a2 = fma32(F32(_dot32(row, o + U(2), xq, (b + U(2) * nb) * U(32))), dw * xd[b + U(2) * nb], a2)
+        a3 = fma32(F32(_dot32(row, o + U(2), xq, (b + U(3) * nb) * U(32))), dw * xd[b + U(3) * nb], a3)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always")
+def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2):
+    """ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks 2i into a1, 2i + 1 into a2 (8 float32 lanes each,
+    scratch), hsum_float_8(a1 + a2), then an odd last block as a scalar fma."""
     for lane in range(8):
         a1[lane] = F32(0.0)
         a2[lane] = F32(0.0)
@@ -191,10 +250,9 @@ def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2, iq):
     while j + U(1) < nb:
         b = t * nb + j
         o = j * U(IQ4_NL_BYTES)
-        _quads_into(row, o + U(2), xq, b * U(32), I32(1), iq)
-        _fma_lanes(load_f16(row, o) * xd[b], iq, a1)
-        _quads_into(row, o + U(IQ4_NL_BYTES + 2), xq, (b + U(1)) * U(32), I32(1), iq)
-        _fma_lanes(load_f16(row, o + U(IQ4_NL_BYTES)) * xd[b + U(1)], iq, a2)
+        _fma_quads(row, o + U(2), xq, b * U(32), load_f16(row, o) * xd[b], a1)
+        _fma_quads(row, o + U(IQ4_NL_BYTES + 2), xq, (b + U(1)) * U(32),
+                   load_f16(row, o + U(IQ4_NL_BYTES)) * xd[b + U(1)], a2)
         j += U(2)
     for lane in range(8):
         a1[lane] = a1[lane] + a2[lane]
@@ -207,7 +265,7 @@ def row_iq4_nl_vec_dot(row, xq, xd, t, nb, a1, a2, iq):
 
 
 @njit(inline="always")
-def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1, iq):
+def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1):
     """tinyBLAS_Q0_AVX (llama.cpp's batches of unrepacked IQ4_NL): one 8-lane accumulator,
     acc = fma(d_w * d_x, lanes, acc) per block; hsum."""
     for lane in range(8):
@@ -215,42 +273,50 @@ def row_iq4_nl_tinyblas(row, xq, xd, t, nb, a1, iq):
     for j in range(nb):
         b = t * nb + j
         o = j * U(IQ4_NL_BYTES)
-        _quads_into(row, o + U(2), xq, b * U(32), I32(1), iq)
-        _fma_lanes(load_f16(row, o) * xd[b], iq, a1)
+        _fma_quads(row, o + U(2), xq, b * U(32), load_f16(row, o) * xd[b], a1)
     return hsum8(a1)
 
 
 @njit(**JIT)
 def matvec_iq4_nl(raw, xq, xd, xs, xm, out):
+    """Repacked rows four at a time; other row counts as vec_dot, 16 rows per parallel iteration."""
     nb = U(xd.size)
     n = raw.shape[0]
     if n % REPACK_ROWS == 0:
-        for r in prange(n):
-            out[r] = row_iq4_nl_repacked(raw[r], xq, xd, U(0), nb)
+        for g in prange(n // 4):
+            r = 4 * g
+            out[r], out[r + 1], out[r + 2], out[r + 3] = rows4_iq4_nl_repacked(
+                raw[r], raw[r + 1], raw[r + 2], raw[r + 3], xq, xd, U(0), nb)
     else:
         for c in prange((n + 15) // 16):
-            a1, a2, iq = np.empty(8, F32), np.empty(8, F32), np.zeros(8, I32)
+            a1, a2 = np.empty(8, F32), np.empty(8, F32)
             for r in range(c * 16, min(c * 16 + 16, n)):
-                out[r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(0), nb, a1, a2, iq)
+                out[r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(0), nb, a1, a2)
 
 
 @njit(**JIT)
 def matmul_iq4_nl(raw, xq, xd, xs, xm, out):
     """out (n_tok, n_rows); x the tokens' "q8_32" parts end to end. Rows by chunks of 16, every
-    token over a chunk while its weights are in the cache."""
+    token over a chunk while its weights are in the cache (repacked: four tokens at a time)."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     repacked = n_rows % REPACK_ROWS == 0
+    n4 = n_tok - n_tok % 4 if repacked else 0
     for c in prange((n_rows + 15) // 16):
-        a1, a2, iq = np.empty(8, F32), np.empty(8, F32), np.zeros(8, I32)
-        for t in range(n_tok):
-            for r in range(c * 16, min(c * 16 + 16, n_rows)):
+        a1, a2 = np.empty(8, F32), np.empty(8, F32)
+        r1 = min(c * 16 + 16, n_rows)
+        for t in range(0, n4, 4):
+            for r in range(c * 16, r1):
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = tokens4_iq4_nl_repacked(
+                    raw[r], xq, xd, U(t), nb)
+        for t in range(n4, n_tok):
+            for r in range(c * 16, r1):
                 if repacked:
                     out[t, r] = row_iq4_nl_repacked(raw[r], xq, xd, U(t), nb)
                 elif n_tok == 1:
-                    out[t, r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(t), nb, a1, a2, iq)
+                    out[t, r] = row_iq4_nl_vec_dot(raw[r], xq, xd, U(t), nb, a1, a2)
                 else:
-                    out[t, r] = row_iq4_nl_tinyblas(raw[r], xq, xd, U(t), nb, a1, iq)
+                    out[t, r] = row_iq4_nl_tinyblas(raw[r], xq, xd, U(t), nb, a1)
 
 
 # --- IQ4_XS row dot products (x: "q8_k" parts, token t's super-blocks at t * nb ...) ---------------
@@ -266,8 +332,17 @@ def row_iq4_xs_vec_dot(row, xq, xd, t, nb, acc, iq):
         o = j * U(IQ4_XS_BYTES)
         for sb in range(U(8)):
             _quads_into(row, o + U(8) + U(16) * sb, xq, b * U(256) + U(32) * sb, _xs_scale(row, o, sb), iq)
-        _fma_lanes(load_f16(row, o) * xd[b], iq, acc)
+        _fma_ints(load_f16(row, o) * xd[b], iq, acc)
     return hsum8(acc)
+
+
+@njit(inline="always")
+def _s1_iq4_xs(row, o, xq, x):
+    """The exact scaled integer sum of one IQ4_XS super-block (at byte o) with x at xq[x:]."""
+    s1 = I32(0)
+    for sb in range(U(8)):
+        s1 += _xs_scale(row, o, sb) * _dot32(row, o + U(8) + U(16) * sb, xq, x + U(32) * sb)
+    return s1
 
 
 @njit(inline="always")
@@ -277,11 +352,23 @@ def row_iq4_xs_tiled(row, xq, xd, t, nb):
     for j in range(nb):
         b = t * nb + j
         o = j * U(IQ4_XS_BYTES)
-        s1 = I32(0)
-        for sb in range(U(8)):
-            s1 += _xs_scale(row, o, sb) * _dot32(row, o + U(8) + U(16) * sb, xq, b * U(256) + U(32) * sb)
-        acc = fma32(load_f16(row, o) * F32(s1), xd[b], acc)
+        acc = fma32(load_f16(row, o) * F32(_s1_iq4_xs(row, o, xq, b * U(256))), xd[b], acc)
     return acc
+
+
+@njit(inline="always")
+def tokens4_iq4_xs_tiled(row, xq, xd, t, nb):
+    """row_iq4_xs_tiled for tokens t .. t + 3 (four independent fma chains)."""
+    a0 = a1 = a2 = a3 = F32(0.0)
+    for j in range(nb):
+        b = t * nb + j
+        o = j * U(IQ4_XS_BYTES)
+        dw = load_f16(row, o)
+        a0 = fma32(dw * F32(_s1_iq4_xs(row, o, xq, b * U(256))), xd[b], a0)
+        a1 = fma32(dw * F32(_s1_iq4_xs(row, o, xq, (b + nb) * U(256))), xd[b + nb], a1)
+        a2 = fma32(dw * F32(_s1_iq4_xs(row, o, xq, (b + U(2) * nb) * U(256))), xd[b + U(2) * nb], a2)
+        a3 = fma32(dw * F32(_s1_iq4_xs(row, o, xq, (b + U(3) * nb) * U(256))), xd[b + U(3) * nb], a3)
+    return a0, a1, a2, a3
 
 
 @njit(**JIT)
@@ -301,10 +388,16 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     tiled = n_tok >= TILED_MIN
+    n4 = n_tok - n_tok % 4 if tiled else 0
     for c in prange((n_rows + 15) // 16):
         acc, iq = np.empty(8, F32), np.zeros(8, I32)
-        for t in range(n_tok):
-            for r in range(c * 16, min(c * 16 + 16, n_rows)):
+        r1 = min(c * 16 + 16, n_rows)
+        for t in range(0, n4, 4):
+            for r in range(c * 16, r1):
+                out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = tokens4_iq4_xs_tiled(
+                    raw[r], xq, xd, U(t), nb)
+        for t in range(n4, n_tok):
+            for r in range(c * 16, r1):
                 if tiled:
                     out[t, r] = row_iq4_xs_tiled(raw[r], xq, xd, U(t), nb)
                 else:
