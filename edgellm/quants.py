@@ -87,6 +87,8 @@ _TYPES = [
 ]
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {t.ggml_type: t for t in _TYPES}
+# types the CPU backend runs and the CUDA backend does not yet: the planner keeps them off the GPU
+CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS))
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in _TYPES)
 
 

@@ -64,3 +64,32 @@ def test_synthetic_file_matches_llamacpp_bit_for_bit(tname, tmp_path):
     greedy = [c.token for c in model.generate(tokens.tolist(), max_tokens=len(z["0_greedy"]), temperature=0,
                                               ignore_eos=True, cache_prompt=False)]
     assert greedy == z["0_greedy"].tolist()
+
+
+def test_layers_with_iq4_tensors_stay_off_the_gpu():
+    """No CUDA kernels for IQ4 yet: an explicit --gpu-layers N is refused before anything is
+    allocated (a message that says what to do); "auto" plans 0 GPU layers and says why."""
+    from edgellm.config import ModelConfig
+    from edgellm.errors import UnsupportedTensorTypeError
+    from edgellm.placement import make_plan
+
+    gf = GGUFFile(DATA / "synthetic_llama_IQ4_XS.gguf")
+    cfg = ModelConfig.from_gguf(gf)
+    with pytest.raises(UnsupportedTensorTypeError, match=r"IQ4_XS tensors.*CPU only.*--gpu-layers 0"):
+        make_plan(gf, cfg, gpu_layers=1, n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")
+    with pytest.raises(UnsupportedTensorTypeError, match="--gpu-layers 0"):
+        edgellm.load(DATA / "synthetic_llama_IQ4_NL.gguf", gpu_layers=-1, n_ctx=64)
+    p = make_plan(gf, cfg, gpu_layers="auto", n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")
+    assert p.n_gpu_layers == 0 and p.output_device == "cpu" and set(p.layers) == {"cpu"}
+    assert any("IQ4_XS" in n and "CPU only" in n for n in p.notes), p.notes
+
+
+def test_plan_command_keeps_iq4_files_on_the_cpu(capsys):
+    from edgellm.cli import main
+
+    path = str(DATA / "synthetic_llama_IQ4_NL.gguf")
+    assert main(["plan", path, "--vram", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 1 blocks on the GPU" in out and "IQ4_NL tensors, which run on the CPU only" in out
+    assert main(["plan", path, "--vram", "4GiB", "-ngl", "1"]) != 0
+    assert "use --gpu-layers 0" in capsys.readouterr().err

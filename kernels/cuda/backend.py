@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
 from edgellm.errors import InvalidArgumentError, OutOfMemoryError, UnsupportedTensorTypeError
 from edgellm.kernels import cuda as _cuda
-from edgellm.quants import quant_type
+from edgellm.quants import CPU_ONLY_TYPES, quant_type
 
 F32 = np.float32
 MATVEC_ROWS = 4  # warps (rows) per thread block of a matvec kernel
@@ -67,8 +67,6 @@ QUANT_KERNELS: dict[GGMLType, QuantKernels] = {
     GGMLType.Q5_K: QuantKernels("quant_k", "q5_k", 16, "q8_k"),
     GGMLType.Q6_K: QuantKernels("quant_k", "q6_k", 16, "q8_k"),
 }
-# Types the CPU backend runs and no CUDA kernel does yet: layers holding them stay on the CPU.
-CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS))
 ACT_BLOCK = {"q8_32": 32, "q8_k": 256}  # values per activation block
 Q8_1_WEIGHTS = (GGMLType.Q4_1, GGMLType.Q5_1)  # products add m_w * fp16(d_x * sum(q_x)) per block
 
