@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import (AVX2, F32, I32, JIT, U, _abs_sign, _fn, _i8, _i16, _i32, _load,
+from edgellm.kernels.cpu.common import (AVX2, F16C, F32, I32, JIT, U, _abs_sign, _fn, _i8, _i16, _i32, _load,
                                         _splat, f16_to_f32, fma32, load_f16, njit, prange)
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
@@ -107,14 +107,19 @@ def _dot32(typingctx, w, w_off, x, x_off):
     return sig, codegen
 
 
-def _fma8(context, builder, signature, d, ints, acc_arg, acc_index):
-    """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
+def _fma8_vec(context, builder, signature, a, b, acc_arg, acc_index):
+    """acc[0:8] = fma(a, b, acc) (<8 x float> a, b; float32 lanes, one rounding each)."""
     f8 = ir.VectorType(ir.FloatType(), 8)
     data = context.make_array(signature.args[acc_index])(context, builder, acc_arg).data
     ptr = builder.bitcast(data, f8.as_pointer())
     fma = _fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
-    res = builder.call(fma, [_splat(builder, d, f8), builder.sitofp(ints, f8), builder.load(ptr, align=4)])
-    builder.store(res, ptr, align=4)
+    builder.store(builder.call(fma, [a, b, builder.load(ptr, align=4)]), ptr, align=4)
+
+
+def _fma8(context, builder, signature, d, ints, acc_arg, acc_index):
+    """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
+    f8 = ir.VectorType(ir.FloatType(), 8)
+    _fma8_vec(context, builder, signature, _splat(builder, d, f8), builder.sitofp(ints, f8), acc_arg, acc_index)
 
 
 @intrinsic
@@ -139,6 +144,45 @@ def _fma_ints(typingctx, d, iq, acc):
         ptr = builder.bitcast(data, _i32(8).as_pointer())
         _fma8(context, builder, signature, args[0], builder.load(ptr, align=4), args[2], 2)
         builder.store(ir.Constant(_i32(8), [0] * 8), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _sum8(builder, vecs):
+    """Eight <8 x i32> -> <8 x i32>: lane r = the sum of vecs[r]'s lanes (exact)."""
+    evens = ir.Constant(_i32(8), [0, 2, 4, 6, 8, 10, 12, 14])
+    odds = ir.Constant(_i32(8), [1, 3, 5, 7, 9, 11, 13, 15])
+    while len(vecs) > 1:  # pairwise: lanes of a then of b, each pair of neighbours summed
+        vecs = [builder.add(builder.shuffle_vector(a, b, evens), builder.shuffle_vector(a, b, odds))
+                for a, b in zip(vecs[0::2], vecs[1::2])]
+    return vecs[0]
+
+
+@intrinsic
+def _rows8_iq4_nl(typingctx, w, w_off, rb, x, x_off, dx, acc):
+    """Eight IQ4_NL rows at once, one block each: for the blocks at bytes w_off + r rb (r < 8) of
+    w and the 32 int8 activations at x[x_off:] with scale dx, acc[r] = fma(f32(isum_r), d_r * dx,
+    acc[r]) (float32 acc[0:8], llama.cpp's repacked order; its gemv holds eight rows in a vector
+    too). Needs F16C (the eight f16 d_r)."""
+    sig = types.none(w, types.uint64, types.uint64, x, types.uint64, types.float32, acc)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        xv = _load(context, builder, signature.args[3], args[3], args[4], 32)
+        f8 = ir.VectorType(ir.FloatType(), 8)
+        quads, dvec = [], ir.Constant(f8, ir.Undefined)
+        for r in range(8):
+            off = builder.add(args[1], builder.mul(args[2], ir.Constant(ir.IntType(64), r)))
+            ptr = builder.gep(data, [off])
+            raw = builder.load(builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), 2)]),
+                                               _i8(16).as_pointer()), align=1)
+            quads.append(_iq4_quads(builder, raw, xv))
+            half = builder.bitcast(builder.load(builder.bitcast(ptr, ir.IntType(16).as_pointer()), align=1),
+                                   ir.HalfType())
+            dvec = builder.insert_element(dvec, builder.fpext(half, ir.FloatType()), ir.Constant(ir.IntType(32), r))
+        scale = builder.fmul(dvec, _splat(builder, args[5], f8))
+        _fma8_vec(context, builder, signature, builder.sitofp(_sum8(builder, quads), f8), scale, args[6], 6)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -224,6 +268,19 @@ def rows4_iq4_nl_repacked(w0, w1, w2, w3, xq, xd, t, nb):
     return a0, a1, a2, a3
 
 
+ROWS8 = AVX2 and F16C  # rows8_iq4_nl_repacked's vector form (else four scalar chains)
+
+
+@njit(inline="always")
+def rows8_iq4_nl_repacked(raw, r, rb, xq, xd, t, nb, acc):
+    """row_iq4_nl_repacked of rows r .. r + 7 of raw (2-D) into acc[0:8] (float32, overwritten)."""
+    for i in range(8):
+        acc[i] = F32(0.0)
+    for j in range(nb):
+        b = t * nb + j
+        _rows8_iq4_nl(raw, r * rb + j * U(IQ4_NL_BYTES), rb, xq, b * U(32), xd[b], acc)
+
+
 @njit(inline="always")
 def tokens4_iq4_nl_repacked(row, xq, xd, t, nb):
     """row_iq4_nl_repacked of one row for tokens t .. t + 3."""
@@ -282,7 +339,11 @@ def matvec_iq4_nl(raw, xq, xd, xs, xm, out):
     """Repacked rows four at a time; other row counts as vec_dot, 16 rows per parallel iteration."""
     nb = U(xd.size)
     n = raw.shape[0]
-    if n % REPACK_ROWS == 0:
+    if n % REPACK_ROWS == 0 and ROWS8:
+        rb = U(raw.shape[1])
+        for g in prange(n // 8):
+            rows8_iq4_nl_repacked(raw, U(8 * g), rb, xq, xd, U(0), nb, out[8 * g:8 * g + 8])
+    elif n % REPACK_ROWS == 0:
         for g in prange(n // 4):
             r = 4 * g
             out[r], out[r + 1], out[r + 2], out[r + 3] = rows4_iq4_nl_repacked(
@@ -301,6 +362,13 @@ def matmul_iq4_nl(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     repacked = n_rows % REPACK_ROWS == 0
+    if repacked and ROWS8:
+        rb = U(raw.shape[1])
+        for c in prange((n_rows + 15) // 16):
+            for t in range(n_tok):
+                for r in range(c * 16, min(c * 16 + 16, n_rows), 8):
+                    rows8_iq4_nl_repacked(raw, U(r), rb, xq, xd, U(t), nb, out[t, r:r + 8])
+        return
     n4 = n_tok - n_tok % 4 if repacked else 0
     for c in prange((n_rows + 15) // 16):
         a1, a2 = np.empty(8, F32), np.empty(8, F32)
