@@ -35,8 +35,9 @@ from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import (AVX2, F16C, F32, I32, JIT, U, _abs_sign, _fn, _i8, _i16, _i32, _load,
                                         _splat, f16_to_f32, fma32, load_f16, njit, prange)
+from edgellm.quants import KVALUES_IQ4NL
 
-KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+KVALUES = np.array(KVALUES_IQ4NL, np.int32)
 
 # Bytes per block, as the sum of its fields.
 IQ4_NL_BYTES = 2 + 16  # d | qs[16]

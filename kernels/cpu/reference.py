@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgellm import quants
+
 F32 = np.float32
 
 
@@ -304,7 +306,7 @@ def rowdot_tiled(ggml_type: str, raw, xq, xd, xs) -> np.ndarray:
 
 
 # --- IQ4_NL / IQ4_XS (kernels/cpu/iquants.py) ---------------------------------------------------
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+KVALUES_IQ4NL = np.array(quants.KVALUES_IQ4NL, np.int64)
 
 
 def iq4_nl_values(blk: np.ndarray) -> np.ndarray:
