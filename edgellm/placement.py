@@ -2,7 +2,31 @@
 anything is allocated, and the memory the runtime really holds, per device and term."""
 from __future__ import annotations
 
-from edgellm.errors import GPUUnavailableError
+from dataclasses import replace
+
+from edgellm.errors import GPUUnavailableError, UnsupportedTensorTypeError
+
+
+def cpu_only_gpu_layers(gf, gpu_layers):
+    """(gpu_layers, note) for a file with tensors of types that have no CUDA kernels yet
+    (quants.CPU_ONLY_TYPES): "auto" becomes 0 with a note saying why; an explicit N > 0 or -1 is
+    refused before anything is allocated. Other files: gpu_layers unchanged, note None."""
+    from edgellm.quants import CPU_ONLY_TYPES
+
+    if gpu_layers in (0, "0"):
+        return gpu_layers, None
+    cpu_only = sorted({t.qtype.name for t in gf.tensors.values() if t.qtype.ggml_type in CPU_ONLY_TYPES})
+    if not cpu_only:
+        return gpu_layers, None
+    what = f"the file holds {', '.join(cpu_only)} tensors, which run on the CPU only (no CUDA kernels yet)"
+    if gpu_layers != "auto":
+        raise UnsupportedTensorTypeError(f"--gpu-layers {gpu_layers}: {what}; use --gpu-layers 0")
+    return 0, f"0 GPU layers: {what}"
+
+
+def with_note(p, note):
+    """Plan p with `note` first among its notes (p itself when note is None)."""
+    return p if note is None else replace(p, notes=(note,) + p.notes)
 
 
 def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vram=None, ram=None, n_seq: int = 1,
@@ -11,6 +35,7 @@ def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vr
     from edgellm.planner import WeightSizes, plan
     from edgellm.quality.store import measured_types
 
+    gpu_layers, note = cpu_only_gpu_layers(gf, gpu_layers)
     wants_gpu = gpu_layers not in (0, "0")
     if wants_gpu and gpu_layers != "auto" and vram is None:
         from edgellm.kernels.cuda import available
@@ -20,8 +45,9 @@ def make_plan(gf, cfg, *, gpu_layers, n_ctx: int, n_batch: int, kv_type: str, vr
             raise GPUUnavailableError(f"--gpu-layers {gpu_layers} needs a GPU, but {reason}")
     budgets = detect_budgets(vram=vram, ram=ram)
     sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
-    return plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, kv_size=kv_size,
-                gpu_layers=gpu_layers, budgets=budgets, check=True, measured=measured_types(gf))
+    p = plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, kv_size=kv_size,
+             gpu_layers=gpu_layers, budgets=budgets, check=True, measured=measured_types(gf))
+    return with_note(p, note)
 
 
 def measured_memory(model) -> dict[str, dict[str, int]]:

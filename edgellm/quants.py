@@ -15,7 +15,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 QK = 32  # weights per block, legacy types
-QK_K = 256  # weights per super-block, K-quants
+QK_K = 256  # weights per super-block, K-quants and IQ4_XS
+# the 16 signed values a 4-bit IQ4_NL / IQ4_XS code stands for (ggml's kvalues_iq4nl)
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,17 @@ _TYPES = [
     # ql[128]: low 4 bits | qh[64]: high 2 bits | scales: i8[16] | d: f16;  w = d*sc*(q - 32)
     QuantType(GGMLType.Q6_K, QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2,
               "ql:u8[128] | qh:u8[64] | scales:i8[16] | d:f16; w = d*sc*(q-32)"),
+    # d: f16 | qs[16] nibbles as Q4_0;  w = d * KVALUES_IQ4NL[q]
+    QuantType(GGMLType.IQ4_NL, QK, 2 + QK // 2, "d:f16 | qs:u8[16] (lo nibble j, hi nibble j+16); w = d*kv[q]"),
+    # d: f16 | scales_h: u16, 2 high bits per sub-block | scales_l[4]: 4 low bits per sub-block |
+    # qs[128]: 16 bytes per 32-weight sub-block s as IQ4_NL;  ls = 6-bit scale;  w = d*(ls-32)*kv[q]
+    QuantType(GGMLType.IQ4_XS, QK_K, 2 + 2 + QK_K // 64 + QK_K // 2,
+              "d:f16 | scales_h:u16 | scales_l:u8[4] | qs:u8[128]; w = d*(ls-32)*kv[q] per 32"),
 ]
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {t.ggml_type: t for t in _TYPES}
+# types the CPU backend runs and the CUDA backend does not yet: the planner keeps them off the GPU
+CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS))
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in _TYPES)
 
 

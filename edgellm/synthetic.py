@@ -23,7 +23,7 @@ from gguf import GGUFWriter, LlamaFileType, TokenType
 from edgellm.errors import InvalidArgumentError
 from edgellm.models import ARCHITECTURES as _ARCH_MODULES
 from edgellm.models import architecture
-from edgellm.quants import QK_K, QUANT_TYPES
+from edgellm.quants import KVALUES_IQ4NL, QK_K, QUANT_TYPES
 
 # the architectures with a module of their own (aliases write the same file as their module's)
 ARCHITECTURES = tuple(name for name, module in _ARCH_MODULES.items() if name == module)
@@ -120,9 +120,11 @@ def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tupl
 
 
 # Row widths a block type cannot split fall back like llama.cpp's quantizer does (llama-quant.cpp):
-# Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; Q2_K / Q3_K go to IQ4_NL there, which edgellm does not
-# run, so to Q4_0 (the same 4.5 bits per weight); a legacy type that does not fit either -> F16.
+# Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; Q2_K / Q3_K go to IQ4_NL there and to
+# Q4_0 here (the same 4.5 bits per weight; the files written before edgellm ran IQ4_NL stay the
+# same); a legacy type that does not fit either -> F16.
 FALLBACK = {
+    GGMLType.IQ4_XS: GGMLType.IQ4_NL,
     GGMLType.Q2_K: GGMLType.Q4_0,
     GGMLType.Q3_K: GGMLType.Q4_0,
     GGMLType.Q4_K: GGMLType.Q5_0,
@@ -247,6 +249,59 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
+# ============================================================================ IQ4 encoders
+# The same kind of simple encoder for IQ4_NL / IQ4_XS (gguf-py decodes them, encodes neither): the
+# scale from the value of largest magnitude (it maps to the code of -127), every weight to the code
+# of the nearest of the 16 non-linear values. Not llama.cpp's search for the best scale.
+_KVALUES = np.array(KVALUES_IQ4NL, dtype=np.float32)
+
+
+def _iq4_codes(x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """x (n, k), block scales d float32 (n,) -> (n, k) codes 0..15 of the nearest values x / d."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.nan_to_num(x / d[:, None])
+    return np.abs(y[..., None] - _KVALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 32) codes -> (n, 16) bytes: code j in the low nibble of byte j, code j + 16 in the high."""
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _signed_amax(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude along the last axis, with its sign."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def encode_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """x (n, 32) -> (n, 18): d:f16 | qs[16]; w = d * kvalues[q]."""
+    d = (_signed_amax(x) / np.float32(-127)).astype(np.float16)
+    q = _iq4_codes(x, d.astype(np.float32))
+    return np.concatenate([_f16_bytes(d), _iq4_nibbles(q)], axis=1)
+
+
+def encode_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """x (n, 256) -> (n, 136): d:f16 | scales_h:u16 | scales_l[4] | qs[128]; sub-block s has the
+    6-bit scale ls (stored ls, used as ls - 32: low 4 bits in nibble s % 2 of scales_l[s // 2], high
+    2 bits at bit 2s of scales_h) and w = d * (ls - 32) * kvalues[q]."""
+    n = x.shape[0]
+    xs = x.reshape(n, 8, 32)
+    scale = _signed_amax(xs) / np.float32(-127)  # (n, 8) wanted sub-block scales, either sign
+    d = (np.abs(scale).max(axis=1) / np.float32(31)).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.nan_to_num(np.rint(scale / d.astype(np.float32)[:, None])).clip(-32, 31).astype(np.int32) + 32
+    dl = d.astype(np.float32)[:, None] * (ls - 32).astype(np.float32)  # (n, 8)
+    q = _iq4_codes(xs.reshape(n * 8, 32), dl.reshape(-1))
+    s = np.arange(8)
+    scales_h = ((ls >> 4) << (2 * s)).sum(axis=1).astype(np.uint16)
+    scales_l = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    qs = _iq4_nibbles(q).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), scales_h.reshape(-1, 1).view(np.uint8), scales_l, qs], axis=1)
+
+
+IQ4_ENCODERS = {GGMLType.IQ4_NL: (encode_iq4_nl, 32), GGMLType.IQ4_XS: (encode_iq4_xs, QK_K)}
+
+
 K_ENCODERS = {
     GGMLType.Q2_K: encode_q2_k,
     GGMLType.Q3_K: encode_q3_k,
@@ -262,6 +317,10 @@ def quantize(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
     from gguf import quants
 
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if ggml_type in IQ4_ENCODERS:
+        encode, block = IQ4_ENCODERS[ggml_type]
+        n_rows, n_cols = x.shape
+        return encode(x.reshape(-1, block)).reshape(n_rows, n_cols // block * QUANT_TYPES[ggml_type].type_size)
     encoder = K_ENCODERS.get(ggml_type)
     if encoder is None:
         return quants.quantize(x, ggml_type)
@@ -284,6 +343,8 @@ FILE_TYPES = {  # requested tensor type -> general.file_type (llama.cpp's LLAMA_
     GGMLType.Q4_K: LlamaFileType.MOSTLY_Q4_K_S,
     GGMLType.Q5_K: LlamaFileType.MOSTLY_Q5_K_S,
     GGMLType.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    GGMLType.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    GGMLType.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 
 

@@ -22,6 +22,8 @@ F16_FIELDS = {
     GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (128 + 64 + 16,),  # after ql[128] | qh[64] | scales[16]: d
+    GGMLType.IQ4_NL: (0,),
+    GGMLType.IQ4_XS: (0,),
 }
 
 

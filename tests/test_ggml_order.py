@@ -130,6 +130,74 @@ def test_repacked_q4_k_batches_take_four_tokens_per_pair_then_one_per_super_bloc
     assert not np.array_equal(out[0], _reference(T.Q4_K, raw, x[0], per_pair=False))
 
 
+# --- IQ4_NL / IQ4_XS: random codes (every nibble) with f16 scales; IQ4_XS's packed 6-bit scales too --
+def _iq4_rows(ggml_type, n_rows, n_cols):
+    from quant_blocks import random_rows
+
+    return random_rows(ggml_type, n_rows, n_cols, seed=n_rows * 7 + n_cols)
+
+
+def _iq4_reference(ggml_type, raw, x_row, order):
+    xq, xd, _, _ = cpu.quantize(cpu.activation_format(ggml_type), x_row).parts
+    if ggml_type == T.IQ4_NL:
+        return ref.rowdot_iq4_nl(raw, xq, xd, order)
+    return ref.rowdot_iq4_xs(raw, xq, xd, tiled=order == "tiled")
+
+
+@pytest.mark.parametrize("n_rows, n_cols", [(24, 1024), (24, 1056), (21, 1024), (21, 1056), (5, 32)])
+@pytest.mark.parametrize("n_tok", [1, 2, 7])
+def test_iq4_nl_products_follow_llama_cpp_by_row_count(n_rows, n_cols, n_tok):
+    """IQ4_NL: rows repacked by llama.cpp (a multiple of 8) take the iq4_nl_8x8 order for every
+    token; other row counts take vec_dot_iq4_nl_q8_0 for one token (1056 columns: an odd block
+    count, the scalar tail) and tinyBLAS for a batch."""
+    raw = _iq4_rows(T.IQ4_NL, n_rows, n_cols)
+    m = cpu.bind(T.IQ4_NL, raw, n_cols)
+    x = _x(n_tok, n_cols)
+    out = np.empty((n_tok, n_rows), np.float32)
+    m.matmul(x, out)
+    order = "repacked" if n_rows % 8 == 0 else "vec_dot" if n_tok == 1 else "tinyblas"
+    for t in range(n_tok):
+        np.testing.assert_array_equal(out[t], _iq4_reference(T.IQ4_NL, raw, x[t], order), err_msg=f"token {t}")
+    one = np.empty(n_rows, np.float32)
+    m.matvec(x[0], one)
+    np.testing.assert_array_equal(one, _iq4_reference(T.IQ4_NL, raw, x[0], "repacked" if n_rows % 8 == 0
+                                                      else "vec_dot"))
+    if n_cols > 32:  # the three orders are three different sums
+        results = [_iq4_reference(T.IQ4_NL, raw, x[0], o) for o in ("repacked", "vec_dot", "tinyblas")]
+        assert not np.array_equal(results[0], results[1]) and not np.array_equal(results[1], results[2])
+
+
+@pytest.mark.parametrize("n_rows", [24, 27])
+@pytest.mark.parametrize("n_tok", [1, 7, 8, 19])
+def test_iq4_xs_products_take_vec_dot_below_eight_tokens_and_the_tiled_order_from_eight(n_rows, n_tok):
+    raw = _iq4_rows(T.IQ4_XS, n_rows, 1024)
+    m = cpu.bind(T.IQ4_XS, raw, 1024)
+    x = _x(n_tok)
+    out = np.empty((n_tok, n_rows), np.float32)
+    m.matmul(x, out)
+    order = "tiled" if n_tok >= 8 else "vec_dot"
+    for t in range(n_tok):
+        np.testing.assert_array_equal(out[t], _iq4_reference(T.IQ4_XS, raw, x[t], order), err_msg=f"token {t}")
+    one = np.empty(n_rows, np.float32)
+    m.matvec(x[0], one)
+    np.testing.assert_array_equal(one, _iq4_reference(T.IQ4_XS, raw, x[0], "vec_dot"))
+    assert not np.array_equal(one, _iq4_reference(T.IQ4_XS, raw, x[0], "tiled"))
+
+
+@pytest.mark.parametrize("ggml_type", [T.IQ4_NL, T.IQ4_XS])
+def test_iq4_numpy_dequantizers_equal_gguf(ggml_type):
+    """The references' own decoding of the blocks (reference.dequantize_iq4_*) is gguf-py's, bit for
+    bit, on random blocks: every code, every 6-bit IQ4_XS scale (ls - 32 from -32 to 31)."""
+    from gguf.quants import dequantize
+
+    raw = _iq4_rows(ggml_type, 64, 512)
+    mine = (ref.dequantize_iq4_nl if ggml_type == T.IQ4_NL else ref.dequantize_iq4_xs)(raw)
+    want = np.asarray(dequantize(raw, ggml_type), np.float32).reshape(mine.shape)
+    assert np.array_equal(mine.view(np.uint32), want.view(np.uint32))
+    if ggml_type == T.IQ4_XS:
+        scales = np.concatenate([ref.iq4_xs_scales(raw[:, 136 * b:136 * b + 136]) for b in range(2)])
+        assert scales.min() == -32 and scales.max() == 31
+
 @pytest.mark.parametrize("ggml_type", [T.F16, T.BF16])
 @pytest.mark.parametrize("n_tok", [1, 3])
 def test_float_weights_follow_vec_dot_for_one_token_and_tinyblas_for_more(ggml_type, n_tok):

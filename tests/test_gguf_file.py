@@ -145,6 +145,20 @@ def test_shape_not_whole_blocks(tmp_path, tiny):
         GGUFFile(bad)
 
 
+@pytest.mark.parametrize("type_id, ne0, what", [(20, 48, "IQ4_NL blocks (32 elements each)"),
+                                                 (23, 32, "IQ4_XS blocks (256 elements each)")])
+def test_iq4_rows_not_whole_blocks(tmp_path, tiny, type_id, ne0, what):
+    """IQ4_NL rows must be whole 32-blocks, IQ4_XS rows whole 256-super-blocks: one clear error."""
+    def edit(d):
+        _set_tensor_field(d, "blk.0.attn_q.weight", 2, "type", type_id)
+        _set_tensor_field(d, "blk.0.attn_q.weight", 2, "ne0", ne0)
+
+    with pytest.raises(errors.TensorShapeError) as e:
+        GGUFFile(patched(tmp_path, tiny, edit))
+    assert what in str(e.value) and "blk.0.attn_q.weight" in str(e.value) and f"rows of {ne0}" in str(e.value)
+    assert isinstance(e.value, errors.EdgeLLMError)
+
+
 def test_missing_metadata_key(tmp_path):
     f = GGUFFile(write_tiny(tmp_path / "m.gguf", drop_key="embedding_length"))
     with pytest.raises(errors.MissingMetadataError, match="llama.embedding_length"):

@@ -17,12 +17,12 @@ from quant_blocks import F16_FIELDS, bf16_round, f16_round, random_rows, ref_q8_
 
 ALL_TYPES = list(QUANT_TYPES)
 DENSE = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
-K_QUANTS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
+K_QUANTS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}  # 256-blocks
 WITH_Q8_1 = {GGMLType.Q4_1, GGMLType.Q5_1}  # x as Q8_1: the min term uses its fp16 s
 
 
 def widths(t):
-    """Row widths to test: K-quants need multiples of 256, legacy / float types also take 576, 640."""
+    """Row widths to test: K-quants (and IQ4_XS) need multiples of 256, legacy / float types also take 576, 640."""
     return [1536, 2048] if t in K_QUANTS else [576, 640, 1536, 2048]
 
 

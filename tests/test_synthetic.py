@@ -47,6 +47,7 @@ def expected_names(arch: str, n_layer: int, tied: bool) -> set[str]:
 ENCODE_BOUND = {
     GGMLType.Q2_K: 0.40, GGMLType.Q3_K: 0.22, GGMLType.Q4_K: 0.10, GGMLType.Q5_K: 0.05, GGMLType.Q6_K: 0.03,
     GGMLType.Q4_0: 0.11, GGMLType.Q8_0: 0.008, GGMLType.BF16: 0.005, GGMLType.F16: 0.001,
+    GGMLType.IQ4_NL: 0.10, GGMLType.IQ4_XS: 0.10,  # 0.078 / 0.079 measured
 }
 
 
@@ -68,7 +69,8 @@ def test_encoders_decode_back_with_gguf(ggml_type):
 def test_k_encoder_keeps_block_order():
     """Each 256-weight block's values come back in place: a ramp decodes to a ramp."""
     x = np.linspace(-1, 1, 1024, dtype=np.float32).reshape(1, 1024)
-    for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.Q2_K):
+    for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.Q2_K, GGMLType.IQ4_XS,
+              GGMLType.IQ4_NL):
         y = np.asarray(dequantize(quantize(x, t), t)).reshape(-1)
         assert np.corrcoef(x[0], y)[0, 1] > 0.98, t.name
         assert np.all(np.diff(y) >= -0.35), t.name  # monotone up to the quantization step
@@ -144,6 +146,7 @@ def test_row_width_fallback_like_llama_cpp(tmp_path):
     assert t["blk.0.ffn_down.weight"].qtype.ggml_type == GGMLType.Q4_K
     assert storage_type(GGMLType.Q6_K, 96) == GGMLType.Q8_0
     assert storage_type(GGMLType.Q4_0, 80) == GGMLType.F16  # 80 is not a multiple of 32 either
+    assert storage_type(GGMLType.IQ4_XS, 96) == GGMLType.IQ4_NL  # llama.cpp's fallback for IQ4_XS
 
 
 def test_tokenizer_is_gpt2_bpe_with_chatml(tmp_path):

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.config import ModelConfig
     from edgellm.gguf_file import GGUFFile
     from edgellm.memory import detect_budgets
+    from edgellm.placement import cpu_only_gpu_layers, with_note
     from edgellm.planner import WeightSizes, plan
     from edgellm.quality.store import measured_types
 
@@ -50,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_gguf(gf)
     sizes = WeightSizes.from_tensors(gf.tensors, config.n_layer)
     budgets = detect_budgets(vram=args.vram, ram=args.ram)
-    p = plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args),
-             kv_size=args.kv_size,
-             gpu_layers=args.gpu_layers, budgets=budgets, check=False, measured=measured_types(gf))
+    gpu_layers, note = cpu_only_gpu_layers(gf, args.gpu_layers)
+    p = with_note(plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args),
+                       kv_size=args.kv_size, gpu_layers=gpu_layers, budgets=budgets, check=False,
+                       measured=measured_types(gf)), note)
     if args.json:
         out = {"model": str(gf.path), "arch": config.arch, "n_layer": config.n_layer,
                "bits_per_weight": round(sizes.bits_per_weight, 3), **p.to_json()}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgellm import quants
+
 F32 = np.float32
 
 
@@ -301,6 +303,93 @@ def rowdot_tiled(ggml_type: str, raw, xq, xd, xs) -> np.ndarray:
             res = fma(-dmin, (mn * xs[16 * b:16 * b + 16].astype(np.int64)).sum(1).astype(F32), res)
         acc = fma(res, xd[b], acc)
     return acc
+
+
+# --- IQ4_NL / IQ4_XS (kernels/cpu/iquants.py) ---------------------------------------------------
+KVALUES_IQ4NL = np.array(quants.KVALUES_IQ4NL, np.int64)
+
+
+def iq4_nl_values(blk: np.ndarray) -> np.ndarray:
+    """(rows, 32) int64 signed values of one IQ4_NL block (rows, 18): low nibbles, then high."""
+    return KVALUES_IQ4NL[_nibbles(blk[:, 2:18])]
+
+
+def iq4_xs_scales(blk: np.ndarray) -> np.ndarray:
+    """(rows, 8) int64: ls - 32 of each 32-weight sub-block of one IQ4_XS super-block (rows, 136)."""
+    sh = blk[:, 2].astype(np.int64) | (blk[:, 3].astype(np.int64) << 8)
+    s = np.arange(8)
+    lo = (blk[:, 4 + s // 2].astype(np.int64) >> (4 * (s % 2))) & 15
+    return (lo | (((sh[:, None] >> (2 * s)) & 3) << 4)) - 32
+
+
+def iq4_xs_values(blk: np.ndarray) -> np.ndarray:
+    """(rows, 256) int64 signed values of one IQ4_XS super-block (sub-block s from qs[16s:16s+16])."""
+    return np.concatenate([KVALUES_IQ4NL[_nibbles(blk[:, 8 + 16 * s:24 + 16 * s])] for s in range(8)], axis=1)
+
+
+def dequantize_iq4_nl(raw: np.ndarray) -> np.ndarray:
+    """uint8 (rows, nb * 18) -> float32 (rows, nb * 32): w = d * kv[q]."""
+    nb = raw.shape[1] // 18
+    return np.concatenate([(_f16(raw[:, 18 * b:18 * b + 18], 0)[:, None] * iq4_nl_values(raw[:, 18 * b:18 * b + 18])
+                            .astype(F32)).astype(F32) for b in range(nb)], axis=1)
+
+
+def dequantize_iq4_xs(raw: np.ndarray) -> np.ndarray:
+    """uint8 (rows, nb * 136) -> float32 (rows, nb * 256): w = (d * (ls - 32)) * kv[q]."""
+    out = []
+    for b in range(raw.shape[1] // 136):
+        blk = raw[:, 136 * b:136 * b + 136]
+        dl = (_f16(blk, 0)[:, None] * iq4_xs_scales(blk).astype(F32)).astype(F32)
+        out.append((np.repeat(dl, 32, axis=1) * iq4_xs_values(blk).astype(F32)).astype(F32))
+    return np.concatenate(out, axis=1)
+
+
+def rowdot_iq4_nl(raw, xq, xd, order: str) -> np.ndarray:
+    """IQ4_NL rows times one token's "q8_32" x in one of llama.cpp's orders:
+    "repacked" (iq4_nl_8x8 gemv/gemm): per block acc = fma(f32(isum), d_w * d_x, acc);
+    "vec_dot" (ggml_vec_dot_iq4_nl_q8_0): even / odd blocks in two 8-lane fma accumulators,
+        hsum_float_8(acc1 + acc2), an odd last block as fma(d_x * d_w, f32(isum), sum);
+    "tinyblas" (tinyBLAS_Q0_AVX): one 8-lane accumulator fma(d_w * d_x, lanes, acc), hsum."""
+    nb = xd.size
+    n = raw.shape[0]
+    if order == "repacked":
+        acc = np.zeros(n, F32)
+        for b in range(nb):
+            blk = raw[:, 18 * b:18 * b + 18]
+            isum = (iq4_nl_values(blk) * xq[32 * b:32 * b + 32].astype(np.int64)).sum(-1)
+            acc = fma(isum.astype(F32), (_f16(blk, 0) * xd[b]).astype(F32), acc)
+        return acc
+    accs = np.zeros((2, n, 8), F32)
+    pairs = nb - nb % 2 if order == "vec_dot" else nb
+    for b in range(pairs):
+        blk = raw[:, 18 * b:18 * b + 18]
+        lanes = _quads(iq4_nl_values(blk), xq[32 * b:32 * b + 32]).astype(F32)
+        k = b % 2 if order == "vec_dot" else 0
+        accs[k] = fma((_f16(blk, 0) * xd[b]).astype(F32)[:, None], lanes, accs[k])
+    s = hsum8((accs[0] + accs[1]).astype(F32))
+    if pairs < nb:
+        b = nb - 1
+        blk = raw[:, 18 * b:18 * b + 18]
+        isum = (iq4_nl_values(blk) * xq[32 * b:32 * b + 32].astype(np.int64)).sum(-1)
+        s = fma((xd[b] * _f16(blk, 0)).astype(F32), isum.astype(F32), s)
+    return s
+
+
+def rowdot_iq4_xs(raw, xq, xd, tiled: bool) -> np.ndarray:
+    """IQ4_XS rows times one token's "q8_k" x: ggml_vec_dot_iq4_xs_q8_K (per super-block 8 integer
+    lanes sum_s (ls_s - 32) * quad sums, acc = fma(d_w * d_x, f32(lanes), acc), hsum_float_8), or
+    (tiled) llama.cpp's tiled order: res = d_w * f32(s1), acc = fma(res, d_x, acc)."""
+    n = raw.shape[0]
+    acc = np.zeros(n, F32) if tiled else np.zeros((n, 8), F32)
+    for b in range(xd.size):
+        blk = raw[:, 136 * b:136 * b + 136]
+        prod = iq4_xs_values(blk) * xq[256 * b:256 * b + 256].astype(np.int64) * np.repeat(iq4_xs_scales(blk), 32, 1)
+        if tiled:
+            acc = fma((_f16(blk, 0) * prod.sum(-1).astype(F32)).astype(F32), xd[b], acc)
+        else:
+            lanes = prod.reshape(n, 8, 8, 4).sum(axis=(1, 3))  # (sub-block, lane, byte)
+            acc = fma((_f16(blk, 0) * xd[b]).astype(F32)[:, None], lanes.astype(F32), acc)
+    return acc if tiled else hsum8(acc)
 
 
 def _expf():

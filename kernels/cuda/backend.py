@@ -24,9 +24,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
-from edgellm.errors import InvalidArgumentError, OutOfMemoryError
+from edgellm.errors import InvalidArgumentError, OutOfMemoryError, UnsupportedTensorTypeError
 from edgellm.kernels import cuda as _cuda
-from edgellm.quants import quant_type
+from edgellm.quants import CPU_ONLY_TYPES, quant_type
 
 F32 = np.float32
 MATVEC_ROWS = 4  # warps (rows) per thread block of a matvec kernel
@@ -163,6 +163,10 @@ class CudaBackend(Backend):
     def weight(self, t):
         """Matrices: raw blocks uploaded once (QMatrix with a cupy uint8 (n_rows, row_bytes) data);
         vectors (norms, biases): float32 (n,) on the device."""
+        if len(t.ne) != 1 and t.qtype.ggml_type not in QUANT_KERNELS:
+            raise UnsupportedTensorTypeError(
+                f"{t.name} is {t.qtype.name}, which has no CUDA kernels yet; run with --gpu-layers 0 "
+                f"(gpu_layers=0) or requantize the file to a K-quant or legacy type")
         try:
             if len(t.ne) == 1:
                 return self.cp.asarray(np.ascontiguousarray(t.as_float32().reshape(-1), dtype=F32))
@@ -524,4 +528,4 @@ def _check_shape(name: str, a, shape) -> None:
         raise InvalidArgumentError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
 
 
-__all__ = ["CudaBackend", "CudaKVLayer", "KV_STORE_KERNELS", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]
+__all__ = ["CPU_ONLY_TYPES", "CudaBackend", "CudaKVLayer", "KV_STORE_KERNELS", "QUANT_KERNELS", "OP_KERNELS", "required_kernels"]
