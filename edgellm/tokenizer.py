@@ -140,6 +140,14 @@ _RE_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n
 _RE_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# GPT-4o's split as llama.cpp writes it (its regex engine has no \p{Lu}: letters that are not a-z /
+# not A-Z stand for the upper / lower case classes, which only changes the split of non-ASCII letters)
+_RE_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+             r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+             r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+             r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 
 @dataclass(frozen=True)
 class PreTokenizer:
@@ -190,6 +198,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
                     PreTokenizer((r"\p{N}", _RE_GPT2))),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _PRE_QWEN2),
     **dict.fromkeys(("stablelm2", "megrez"), PreTokenizer((_RE_QWEN2,))),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie"), PreTokenizer((_RE_GPT4O,), clean_spaces=False)),
 }
 
 # tokenizer.ggml.model -> (kind, default bos, default eos)

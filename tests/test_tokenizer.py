@@ -321,3 +321,19 @@ def test_a_phi3_files_special_tokens_take_the_whitespace_after_them():
     for name, ids in want.items():
         tok = Tokenizer.from_metadata({**md, "general.name": name})
         assert [tok.tokenize(t, add_special=False, parse_special=True) for t in texts] == ids, name
+
+
+def test_pre_tokenizers_split_as_llama_cpp(tmp_path):
+    """The synthetic BPE vocabulary under several tokenizer.ggml.pre names: llama.cpp's ids for 20
+    texts (ASCII, contractions, digits, accents, CJK, emoji, whitespace runs), recorded by
+    scripts/fixtures/make_pre_oracle.py; gpt-4o (Phi-4-mini, Llama 4) splits unlike gpt-2."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parents[1] / "scripts" / "fixtures"))
+    import make_pre_oracle
+
+    oracle = json.loads((DATA / "pre_tokenizers.json").read_text(encoding="utf-8"))
+    for pre, want in oracle["ids"].items():
+        tok = Tokenizer.from_metadata(GGUFFile(make_pre_oracle.vocab_file(tmp_path / f"{pre}.gguf", pre)).metadata)
+        assert [tok.tokenize(t, add_special=False) for t in oracle["texts"]] == want, pre
+    assert oracle["ids"]["gpt-4o"] != oracle["ids"]["gpt-2"]
