@@ -84,7 +84,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
          quiet: bool = True, use_mmap: bool | None = None, spec_type: str = "none", spec_draft_n_max: int = 16,
          spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16,
-         flash_attn="off") -> "Model":
+         flash_attn="off", batch_invariant: bool = False) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
@@ -102,9 +102,14 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     llama-cpp-python runs by default), "on" (an f16 cache read as llama.cpp's CPU flash attention
     reads it: the bits of llama.cpp's tools, whose "auto" turns it on for the CPU; a one-token decode
     over 256 or more cached tokens (its split-KV kernel) then depends on `threads`, as llama.cpp's
-    on -t), "auto" (= "on" here:
-    CPU layers; a GPU layer's attention is unchanged), or a bool. A q8_0 / q4_0 cache is always
-    read by flash attention (llama.cpp needs it for a quantized V)."""
+    on -t), "auto" (= "on" here), or a bool; it changes the CPU layers only (a GPU layer's attention
+    is unchanged). A q8_0 / q4_0 cache is always read by flash attention (llama.cpp needs it for a
+    quantized V).
+    batch_invariant: every sequence gets, bit for bit, the tokens it gets alone, whichever others
+    share its steps (each prompt chunk in a pass of its own, decode tokens by as many as keep the
+    one-token order); costs passes over the weights: K-quant files decoding 8+ sequences run two
+    (docs/performance.md). Off: one pass a step, each decode token still the bits it gets alone
+    up to 7 (K-quants) or 16 (legacy types) sequences and without a prompt in the same step."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -141,7 +146,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
                  threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
                  kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
-                 use_mmap=use_mmap, spec=spec, flash_attn=flash_attn)
+                 use_mmap=use_mmap, spec=spec, flash_attn=flash_attn, batch_invariant=bool(batch_invariant))
 
 
 def flash_attn_arg(value, kv_type: str = "f16") -> bool:
@@ -198,7 +203,7 @@ class _CompileReport:
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
-                 use_mmap: bool = True, spec=None, flash_attn: bool = False):
+                 use_mmap: bool = True, spec=None, flash_attn: bool = False, batch_invariant: bool = False):
         from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -233,7 +238,7 @@ class Model:
             report.done()
         self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'
         self.engine = Engine(self.runtime, self.tokenizer, n_seq=n_seq, n_batch=self.n_batch, n_ctx=n_ctx,
-                             policy=policy, lock=self._lock, spec=spec)
+                             policy=policy, lock=self._lock, spec=spec, batch_invariant=batch_invariant)
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
         from edgellm.grammar import VocabularyCache

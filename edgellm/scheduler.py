@@ -76,7 +76,7 @@ class SeqState:
 
 class Engine:
     def __init__(self, runtime, tokenizer, *, n_seq: int, n_batch: int, n_ctx: int, policy: str = "continuous",
-                 lock: threading.RLock | None = None, spec: SpecParams | None = None):
+                 lock: threading.RLock | None = None, spec: SpecParams | None = None, batch_invariant: bool = False):
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         if spec is not None and spec.spec_type == "draft-simple":
@@ -86,6 +86,9 @@ class Engine:
         # rows a verification step may hold: the whole step must stay in the one-token order
         self.spec_rows = runtime.exact_decode_rows() if self.spec is not None else 1
         self._step_s: dict = {}  # tokens in a lone sequence's step -> EWMA seconds (DraftLength.step_s)
+        self._exact_rows: int | None = None  # runtime.exact_decode_rows(), once (_forward)
+        # every sequence gets the tokens it gets alone, whatever else runs (slower: more passes)
+        self.batch_invariant = bool(batch_invariant)
         self._step_sizes: set = set()  # sizes run once: a size's first step (scratch buffers) is not timed
         self.runtime = runtime
         self.tokenizer = tokenizer
@@ -306,6 +309,8 @@ class Engine:
                 singles.append((s, [s.next_token]))
                 budget -= 1
         # 2. prompt chunks of admitted sequences, then new admissions
+        if self.batch_invariant:
+            return self._schedule_prompts_alone(singles, chunks)
         for s in sorted(self.running, key=lambda s: s.t_admit):
             if budget <= 0:
                 break
@@ -326,6 +331,43 @@ class Engine:
                 self.waiting.popleft()
                 self.running.append(s)
             n = min(len(s.prompt) - s.n_done, budget)
+            s.kv.grow(n)
+            (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
+            budget -= n
+        return singles + chunks
+
+    def _schedule_prompts_alone(self, singles, chunks):
+        """_schedule's prompt part with batch_invariant: each prompt's chunk is the one it gets
+        alone (its next n_batch tokens), so that it runs as it would alone (_forward); a chunk that
+        does not fit the n_batch tokens left waits for the next step, unless it is the step's first."""
+        budget = self.n_batch
+
+        def chunk(s):
+            return min(len(s.prompt) - s.n_done, self.n_batch)
+
+        for s in sorted(self.running, key=lambda s: s.t_admit):
+            if not s.prefilling:
+                continue
+            n = chunk(s)
+            if n > budget and chunks:
+                break
+            if s.kv.grow(n):
+                (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
+                budget -= n
+        admit_ok = self.policy == "continuous" or not self.running
+        while budget > 0 and admit_ok:
+            with self._cv:
+                if not self.waiting or len(self.running) >= self.n_seq:
+                    break
+                s = self.waiting[0]
+            if chunks and min(len(s.prompt) - s.n_done, self.n_batch) > budget:  # (before its cached prefix)
+                break
+            if not self._admit(s):
+                break
+            with self._cv:
+                self.waiting.popleft()
+                self.running.append(s)
+            n = chunk(s)
             s.kv.grow(n)
             (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
             budget -= n
@@ -374,7 +416,7 @@ class Engine:
         timing = self.runtime.timing
         before = dict(timing.seconds)
         t0 = now()
-        logits = self.runtime.forward(entries, rows=rows, hold=hold)
+        logits = self._forward(entries, rows, hold)
         wall = now() - t0
         step_s = {d: timing.seconds.get(d, 0.0) - before.get(d, 0.0) for d in timing.seconds}
         self.counters["steps"] += 1
@@ -404,6 +446,43 @@ class Engine:
         if shape not in self._shapes:  # a batch of a new shape may have loaded kernels
             self._shapes.add(shape)
             self.runtime._release_compiler()
+
+    def _forward(self, entries, rows, hold) -> np.ndarray:
+        """The step's forward pass; with batch_invariant, separate passes: the one-token entries by
+        as many as keep the one-token order (each token gets the bits it gets decoded alone), then
+        each prompt chunk on its own (the bits it gets alone), so that a sequence's tokens do not
+        depend on which others share its steps."""
+        if not self.batch_invariant:
+            return self.runtime.forward(entries, rows=rows, hold=hold)
+        if self._exact_rows is None:
+            self._exact_rows = self.runtime.exact_decode_rows()
+        # one-token rows per pass: as many as keep the one-token order (K-quant products tile from 8
+        # rows on); where every batch takes another order (float weights, a GPU layer), all together
+        per = self._exact_rows if self._exact_rows > 1 else len(entries)
+        groups, cur = [], []
+        for e in entries:
+            if len(e[1]) > 1 or len(cur) == per:
+                if cur:
+                    groups.append(cur)
+                cur = []
+            if len(e[1]) > 1:
+                groups.append([e])
+            else:
+                cur.append(e)
+        if cur:
+            groups.append(cur)
+        if len(groups) == 1:
+            return self.runtime.forward(entries, rows=rows, hold=hold)
+        out, t0 = [], 0
+        for g in groups:
+            t1 = t0 + sum(len(e[1]) for e in g)
+            local = [r - t0 for r in rows if t0 <= r < t1]
+            seqs = {id(e[0]) for e in g}
+            logits = self.runtime.forward(g, rows=local, hold=[h for h in hold if id(h) in seqs])
+            if local:
+                out.append(logits)
+            t0 = t1
+        return np.concatenate(out) if out else np.empty((0, self.runtime.cfg.n_vocab), np.float32)
 
     def _verify(self, s: SeqState, logits: np.ndarray) -> None:
         """s's verification step: the sampler's draws over the rows (`verify`), each kept token

@@ -279,3 +279,23 @@ def test_generate_after_a_long_logits_call_does_not_wait_for_blocks(smollm2_path
     t.join(60)
     assert len(out) == 3
     m.close()
+
+
+@pytest.mark.parametrize("name", ["smollm2_path", "gemma3_path"])
+def test_batch_invariant_sequences_get_the_tokens_they_get_alone(request, name):
+    """batch_invariant: 8 fresh prompts decoded together, 4 of them joined mid-way by 4 more, and
+    one leaving early: each sequence's greedy tokens are its solo tokens exactly."""
+    prompts = PROMPTS + ["Photosynthesis is", "In 1969, Neil Armstrong"]
+    kw = dict(max_tokens=24, cache_prompt=False, **GREEDY)
+    with edgellm.load(request.getfixturevalue(name), n_ctx=256, n_batch=256, n_seq=8, batch_invariant=True) as m:
+        alone = [[c.token for c in m.generate(p, **kw)] for p in prompts]
+        together = [[c.token for c in r] for r in [m.submit(p, **kw) for p in prompts]]
+        assert together == alone
+        first = [iter(m.submit(p, **kw)) for p in prompts[:4]]
+        got = [[next(it).token for _ in range(5)] for it in first]
+        leaving = m.submit(prompts[5], **kw)
+        next(iter(leaving))
+        late = [m.submit(p, **kw) for p in prompts[4:]]
+        leaving.cancel()
+        got = [g + [c.token for c in it] for g, it in zip(got, first)] + [[c.token for c in r] for r in late]
+        assert got == alone

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on Ctrl+C / SIGTERM, running requests get S seconds to finish, then they are "
                         "ended (default 10)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every request gets the tokens it gets alone, whatever else runs (slower with 8+ "
+                        "sequences of a K-quant file)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
 
 
@@ -117,7 +120,8 @@ def run(args) -> int:
     def load():
         return edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                             threads=args.threads, vram=args.vram, kv_type=args.cache_type_k, n_seq=args.parallel,
-                            kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn)
+                            kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
+                            batch_invariant=args.batch_invariant)
 
     engine = Engine(load, queue=args.queue)
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)
