@@ -23,7 +23,7 @@ def one(model, prompt, n, schema, seed, out):
     t0 = time.perf_counter()
     first, count = None, 0
     for c in model.generate(prompt, max_tokens=n, temperature=0.8, seed=seed, ignore_eos=schema is None,
-                            json_schema=schema):
+                            json_schema=schema, cache_prompt=False):  # every request prefills its prompt
         count += 1
         if first is None:
             first = time.perf_counter() - t0
