@@ -88,7 +88,7 @@ class ModelConfig:
         freq_base_swa = m.number("rope.freq_base_swa", module.Model.ROPE_FREQ_BASE_SWA or freq_base)
         for key, base in (("rope.freq_base", freq_base), ("rope.freq_base_swa", freq_base_swa)):
             _check_rope_angles(m, key, base, "rope.scaling.factor", factor, freq_scale, n_rot)
-        sliding_window = m.integer("attention.sliding_window", 0, lo=0)
+        sliding_window = m.integer("attention.sliding_window", module.Model.SLIDING_WINDOW, lo=0)
         cfg = cls(
             arch=arch,
             name=printable(m.string("general.name", gf.path.stem)),  # escaped: shown as is everywhere

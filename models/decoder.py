@@ -50,6 +50,7 @@ class Decoder:
     ROPE_NEOX = False  # RoPE pairs (i, i + n_rot/2) instead of (2i, 2i+1)
     # the RoPE base of sliding-window layers when the file gives none (None: the file's rope.freq_base)
     ROPE_FREQ_BASE_SWA: float | None = None
+    SLIDING_WINDOW = 0  # attention.sliding_window when the file has none (0: no window)
     ACTIVATION = "silu"  # gated FFN: act(gate) * up; "silu" or "gelu" (tanh approximation)
     EMBED_SCALE = False  # multiply embeddings by sqrt(n_embd)
     # The attention scale multiplies q (float32, after RoPE) instead of the scores, as llama.cpp's

@@ -16,6 +16,7 @@ N_LAYER_27B = 46
 
 class Model(Decoder):
     ROPE_NEOX = True
+    SLIDING_WINDOW = 4096  # llama.cpp's gemma2 default
     ACTIVATION = "gelu"
     EMBED_SCALE = True
     SCALE_Q = True

@@ -421,3 +421,13 @@ def test_soft_capped_attention_with_a_flash_path_is_one_clear_error(synthetic, k
     with pytest.raises(edgellm.errors.EdgeLLMError, match="soft-capped attention"):
         m = edgellm.load(synthetic("gemma2"), n_ctx=64, **kw)
         m.logits(TOKENS)
+
+
+def test_a_gemma2_file_without_a_window_key_gets_llamacpps_4096(tmp_path, monkeypatch):
+    from edgellm.models import gemma2
+
+    monkeypatch.setattr(gemma2.Model, "FILE_SLIDING_WINDOW", False)  # the key is not written
+    path = write_synthetic_gguf(tmp_path / "g.gguf", arch="gemma2", ggml_type=T.Q8_0, sparse=True, **SHAPE)
+    assert "gemma2.attention.sliding_window" not in GGUFFile(path).metadata
+    cfg = ModelConfig.from_gguf(GGUFFile(path))
+    assert cfg.sliding_window == 4096 and cfg.swa_layers == (True, False, True)
