@@ -308,48 +308,22 @@ class Engine:
             if s in self.running:
                 singles.append((s, [s.next_token]))
                 budget -= 1
-        # 2. prompt chunks of admitted sequences, then new admissions
-        if self.batch_invariant:
-            return self._schedule_prompts_alone(singles, chunks)
-        for s in sorted(self.running, key=lambda s: s.t_admit):
-            if budget <= 0:
-                break
-            if s.prefilling:
-                n = min(len(s.prompt) - s.n_done, budget)
-                if s.kv.grow(n):
-                    (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
-                    budget -= n
-        admit_ok = self.policy == "continuous" or not self.running
-        while budget > 0 and admit_ok:
-            with self._cv:
-                if not self.waiting or len(self.running) >= self.n_seq:
-                    break
-                s = self.waiting[0]
-            if not self._admit(s):
-                break
-            with self._cv:
-                self.waiting.popleft()
-                self.running.append(s)
-            n = min(len(s.prompt) - s.n_done, budget)
-            s.kv.grow(n)
-            (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
-            budget -= n
-        return singles + chunks
-
-    def _schedule_prompts_alone(self, singles, chunks):
-        """_schedule's prompt part with batch_invariant: each prompt's chunk is the one it gets
-        alone (its next n_batch tokens), so that it runs as it would alone (_forward); a chunk that
-        does not fit the n_batch tokens left waits for the next step, unless it is the step's first."""
-        budget = self.n_batch
+        # 2. prompt chunks of admitted sequences, then new admissions. With batch_invariant each
+        # chunk is the one the prompt gets alone (its next n_batch tokens, the budget counting prompt
+        # tokens only), so that it runs as it would alone (_forward); a chunk that does not fit the
+        # budget left then waits for the next step, unless it would be the step's first
+        alone = self.batch_invariant
+        if alone:
+            budget = self.n_batch
 
         def chunk(s):
-            return min(len(s.prompt) - s.n_done, self.n_batch)
+            return min(len(s.prompt) - s.n_done, self.n_batch if alone else budget)
 
         for s in sorted(self.running, key=lambda s: s.t_admit):
             if not s.prefilling:
                 continue
             n = chunk(s)
-            if n > budget and chunks:
+            if (chunks and n > budget) if alone else budget <= 0:
                 break
             if s.kv.grow(n):
                 (singles if n == 1 else chunks).append((s, s.prompt[s.n_done:s.n_done + n]))
@@ -360,7 +334,7 @@ class Engine:
                 if not self.waiting or len(self.running) >= self.n_seq:
                     break
                 s = self.waiting[0]
-            if chunks and min(len(s.prompt) - s.n_done, self.n_batch) > budget:  # (before its cached prefix)
+            if alone and chunks and min(len(s.prompt) - s.n_done, self.n_batch) > budget:  # (before its cached prefix)
                 break
             if not self._admit(s):
                 break
