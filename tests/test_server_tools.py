@@ -1,11 +1,11 @@
 """Tool calls and structured output over a real socket with the official `openai` client, on the
 real Qwen2.5-Coder-0.5B-Instruct and SmolLM2-135M-Instruct files."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
-
 from served import Served
 
 WEATHER = {"type": "function", "function": {
@@ -26,7 +26,9 @@ ORDER = {"type": "object", "properties": {"items": {"type": "array", "items": IT
 
 @pytest.fixture(scope="module", params=["qwen05_path", "smollm2_path"])
 def srv(request):
-    s = Served(request.getfixturevalue(request.param), n_ctx=1024, n_seq=4, threads=2)
+    # batch_invariant: a seed's answer does not depend on which requests share its steps, so the
+    # streamed and the plain form of one seed can be compared while many seeds run at once
+    s = Served(request.getfixturevalue(request.param), n_ctx=2048, n_seq=8, threads=2, batch_invariant=True)
     yield s
     s.close()
 
@@ -50,23 +52,28 @@ def _reassemble(stream):
     return content, calls, finish
 
 
+def _seeds(n, fn):
+    """fn(seed) for seeds 0..n-1, eight requests in flight at a time (the server batches them)."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(fn, range(n)))
+
+
 def test_required_calls_validate_on_20_seeds_and_stream_the_same(srv):
-    for seed in range(20):
-        r = srv.client.chat.completions.create(model=srv.name, messages=ASK, tools=[WEATHER],
-                                               tool_choice="required", temperature=0.8, seed=seed, max_tokens=120)
+    kw = {"model": srv.name, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 0.8, "max_tokens": 120}
+    plain = _seeds(20, lambda seed: srv.client.chat.completions.create(seed=seed, **kw))
+    streamed = _seeds(20, lambda seed: _reassemble(srv.client.chat.completions.create(seed=seed, stream=True, **kw)))
+    for r, (content, calls, finish) in zip(plain, streamed):
         ch = r.choices[0]
         assert ch.finish_reason == "tool_calls", ch.message.content
         (call,) = ch.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather" and call.id
         jsonschema.validate(json.loads(call.function.arguments), ARGS)
-        if seed < 3:  # the streamed form of the same seed is the same call
-            content, calls, finish = _reassemble(srv.client.chat.completions.create(
-                model=srv.name, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0.8,
-                seed=seed, max_tokens=120, stream=True))
-            assert finish == "tool_calls" and not content
-            assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
-                [(call.function.name, json.loads(call.function.arguments))]
-            assert calls[0]["id"]
+        # the streamed form of the same seed reassembles to the same call
+        assert finish == "tool_calls" and not content
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+            [(call.function.name, json.loads(call.function.arguments))]
+        assert calls[0]["id"]
+    assert len({r.choices[0].message.tool_calls[0].function.arguments for r in plain}) > 1  # seeds differ
 
 
 def test_a_tool_result_round_trip_gives_a_text_answer(srv):
@@ -81,14 +88,26 @@ def test_a_tool_result_round_trip_gives_a_text_answer(srv):
     assert not r2.choices[0].message.tool_calls
 
 
-def test_json_schema_answers_validate(srv):
+def test_json_schema_answers_validate_on_50_seeds(srv):
     msgs = [{"role": "user", "content": "An order of a few things from a stationery shop, as JSON."}]
     rf = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}}
-    for seed in range(10):
-        r = srv.client.chat.completions.create(model=srv.name, messages=msgs, response_format=rf, temperature=0.8,
-                                               seed=seed, max_tokens=200)
-        assert r.choices[0].finish_reason == "stop"
+    answers = _seeds(50, lambda seed: srv.client.chat.completions.create(
+        model=srv.name, messages=msgs, response_format=rf, temperature=0.8, seed=seed, max_tokens=300))
+    for r in answers:
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         jsonschema.validate(json.loads(r.choices[0].message.content), ORDER)
+    assert len({r.choices[0].message.content for r in answers}) > 10
+
+
+def test_json_object_answers_parse_on_50_seeds(srv):
+    msgs = [{"role": "user", "content": "Describe a cat in a JSON object with the keys name, age and colour."}]
+    answers = _seeds(50, lambda seed: srv.client.chat.completions.create(
+        model=srv.name, messages=msgs, response_format={"type": "json_object"}, temperature=0.8, seed=seed,
+        max_tokens=300))
+    for r in answers:
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    assert len({r.choices[0].message.content for r in answers}) > 10
 
 
 def test_llama_server_fields_and_completions(srv):

@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 
 import edgellm
-from edgellm.errors import InvalidArgumentError
 from edgellm import toolcalls as tc
+from edgellm.errors import InvalidArgumentError
 
 DATA = Path(__file__).parent / "data"
 WEATHER = {"type": "function", "function": {
@@ -69,7 +69,7 @@ def test_call_format_comes_from_the_template(qwen, smol):
 
 # --- grammars ---------------------------------------------------------------------------------------------
 def test_json_schema_answers_validate_on_every_seed(smol):
-    reqs = _all(smol, 50, messages=[{"role": "user", "content": "Describe a user of a web shop as JSON."}],
+    reqs = _all(smol, 16, messages=[{"role": "user", "content": "Describe a user of a web shop as JSON."}],
                 response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                                          "strict": True}},
                 temperature=0.8, max_tokens=200)
@@ -79,7 +79,7 @@ def test_json_schema_answers_validate_on_every_seed(smol):
 
 
 def test_json_object_answers_parse_on_every_seed(qwen):
-    reqs = _all(qwen, 50, messages=[{"role": "user", "content": "List three fruits as a JSON object."}],
+    reqs = _all(qwen, 16, messages=[{"role": "user", "content": "List three fruits as a JSON object."}],
                 response_format={"type": "json_object"}, temperature=0.8, max_tokens=300)
     for r in reqs:
         assert r.finish_reason == "stop", r.content
@@ -212,14 +212,14 @@ def test_bad_tools_are_clear_errors(smol, kw, words):
 
 # --- parsing (every format, on text) --------------------------------------------------------------------
 @pytest.mark.parametrize("fmt, text, content, n", [
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "X", "unit": "celsius"}}\n'
-               '</tool_call>', "Sure.", 1),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>\n<tool_call>\n'
-               '{"name": "get_time", "arguments": {}}\n</tool_call>', "", 2),
+    ("hermes", ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "X", "unit": "celsius"}}\n'
+               '</tool_call>'), "Sure.", 1),
+    ("hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "get_time", "arguments": {}}\n</tool_call>'), "", 2),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>', None, 0),
     ("hermes", '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>', None, 0),
-    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
-                '{"city": "Y"}}]', "", 2),
+    ("mistral", ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
+                '{"city": "Y"}}]'), "", 2),
     ("phi4", '<|tool_call|>[{"name": "get_time", "arguments": {}}]<|/tool_call|>', "", 1),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Z"}}', "", 1),
     ("llama3", 'It is sunny.', None, 0),
