@@ -128,7 +128,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, args, clients: int, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str, str]:
+def start(kind: str, args, clients: int, stderr=subprocess.DEVNULL,
+          llama_extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+    """(process, URL, model alias) of `kind` ("edgellm" or "llama-server") serving args.model once
+    /health answers; llama-server also gets `llama_extra`'s flags."""
     port = free_port()
     if kind == "edgellm":
         cmd = [sys.executable, "-m", "edgellm.cli", "serve", args.model, "--port", str(port), "-np", str(clients),
@@ -137,7 +140,7 @@ def start(kind: str, args, clients: int, stderr=subprocess.DEVNULL) -> tuple[sub
     else:
         binary = llamacpp.tool("llama-server", args.llama_bin)
         cmd = [str(binary), "-m", args.model, "--port", str(port), "-np", str(clients), "-c", str(args.ctx),
-               "-t", str(args.threads), "-a", "bench", "--log-disable"]
+               "-t", str(args.threads), "-a", "bench", "--log-disable", *llama_extra]
         env = llamacpp.env_for(binary)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
     url = f"http://127.0.0.1:{port}"
