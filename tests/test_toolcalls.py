@@ -98,6 +98,19 @@ def test_a_grammar_that_admits_the_free_answer_changes_nothing(smol):
     assert held_s == free_s
 
 
+@pytest.mark.parametrize("ask", ['Reply with only this JSON, no code fence: {"city": "Paris", "unit": "celsius"}',
+                                 'Output the raw JSON object {"city": "Lyon", "unit": "kelvin"} and nothing else.'])
+def test_a_json_schema_that_admits_the_free_answer_changes_nothing(qwen, ask):
+    msgs = [{"role": "user", "content": ask}]
+    free = qwen.submit_chat(msgs, temperature=0, max_tokens=40)
+    free_tokens = [c.token for c in free]
+    assert free.finish_reason == "stop" and json.loads(free.content)  # the model answers bare JSON
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}
+    for rf in ({"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}, {"type": "json_object"}):
+        held = qwen.submit_chat(msgs, temperature=0, max_tokens=40, response_format=rf)
+        assert [c.token for c in held] == free_tokens and held.finish_reason == "stop"
+
+
 def test_a_regex_and_a_gbnf_grammar_hold(smol):
     prompt = smol.render_chat([{"role": "user", "content": "Pick a number."}])
     for seed in range(5):
