@@ -111,10 +111,10 @@ class ModelConfig:
             tied_output="output.weight" not in gf.tensors,
             file_type=m.integer("general.file_type", None, lo=0) if "general.file_type" in md else None,
             n_merges=len(md.get("tokenizer.ggml.merges") or ()),
+            extra=module.Model.hparams(m),  # (the expected tensor shapes may depend on them)
         )
         check_tensors(gf, cfg, module.Model)  # also bounds n_layer by the blocks in the file
-        return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)),
-                       extra=module.Model.hparams(m))
+        return replace(cfg, swa_layers=tuple(module.Model.swa_layers(n_layer, sliding_window, md)))
 
     @property
     def attn_scale(self) -> float:

@@ -134,6 +134,15 @@ class TensorInfo:
         return replace(self, name=f"{self.name}[{start}:{start + n}]", ne=(self.ne[0], n),
                        offset=self.offset + start * row, nbytes=n * row)
 
+    def expert(self, e: int) -> "TensorInfo":
+        """Expert e of a 3-D expert tensor (ne = (cols, rows, experts)) as a 2-D tensor of its own, in
+        place in the file (a mixture-of-experts block's ffn_*_exps)."""
+        if len(self.ne) != 3 or not 0 <= e < self.ne[2]:
+            raise GGUFError(f"tensor '{printable(self.name)}' has no expert {e}")
+        size = self.nbytes // self.ne[2]
+        return replace(self, name=f"{self.name}[{e}]", ne=(self.ne[0], self.ne[1]),
+                       offset=self.offset + e * size, nbytes=size)
+
     def as_float32(self) -> np.ndarray:
         """float32 (n_rows, n_cols); a zero-copy view for F32 tensors, dequantized otherwise."""
         if self.qtype.name == "F32":

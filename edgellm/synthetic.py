@@ -89,12 +89,17 @@ class Shape:
     n_vocab: int
 
 
-def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tuple[int, ...], str]]:
-    """[(name, numpy shape (rows first), kind)]; kind "matrix" | "embd" | "norm" | "bias"."""
+def tensor_table(arch: str, s: Shape, tied_output: bool,
+                 hparams: Mapping | None = None) -> list[tuple[str, tuple[int, ...], str]]:
+    """[(name, numpy shape (rows first), kind)]; kind "matrix" | "embd" | "norm" | "bias" | "router"
+    (F32, never quantized). hparams: the architecture's own keys over its FILE_HPARAMS (a
+    mixture-of-experts file's expert count and width)."""
     n_q, n_kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     sizes = {"q_bias": n_q, "kv_bias": n_kv, "head_norm": s.head_dim, "embd_norm": s.n_embd,
              "q_norm_whole": n_q, "kv_norm_whole": n_kv}
     model = _model(arch)
+    hp = {**model.FILE_HPARAMS, **(hparams or {})}
+    n_exp, ff_exp = hp.get("expert_count", 0), hp.get("expert_feed_forward_length", 0)
     table = [("token_embd.weight", (s.n_vocab, s.n_embd), "embd")]
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -110,6 +115,10 @@ def tensor_table(arch: str, s: Shape, tied_output: bool) -> list[tuple[str, tupl
             (b + "ffn_gate.weight", (s.n_ff, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_up.weight", (up_rows, s.n_embd), "matrix"),  # (n_ff, n_embd)
             (b + "ffn_down.weight", (s.n_embd, s.n_ff), "matrix"),  # (n_embd, n_ff)
+            (b + "ffn_gate_inp.weight", (n_exp, s.n_embd), "router"),  # experts' router (n_expert, n_embd)
+            (b + "ffn_gate_exps.weight", (n_exp, ff_exp, s.n_embd), "matrix"),  # expert e: (n_ff_exp, n_embd)
+            (b + "ffn_up_exps.weight", (n_exp, ff_exp, s.n_embd), "matrix"),
+            (b + "ffn_down_exps.weight", (n_exp, s.n_embd, ff_exp), "matrix"),  # expert e: (n_embd, n_ff_exp)
         ] if t[0][len(b):-len(".weight")] in model.BLOCK_REQUIRED]  # (a post-norm block has no pre-norms)
         for suffix, kind in model.FILE_TENSORS:
             table.append((b + suffix, (sizes[kind],), "bias" if kind.endswith("bias") else "norm"))
@@ -459,7 +468,7 @@ def write_synthetic_gguf(
     _write_metadata(w, arch, shape, ggml_type, n_ctx_train, sliding_window, hparams, name)
     rng = np.random.default_rng(seed)
     data_bytes = 0
-    for name, np_shape, kind in tensor_table(arch, shape, tied_output):
+    for name, np_shape, kind in tensor_table(arch, shape, tied_output, hparams):
         asked = GGMLType((tensor_types or {}).get(name, ggml_type))
         if asked not in FILE_TYPES:
             raise InvalidArgumentError(f"{name}: type {asked.name} is not supported")

@@ -89,6 +89,9 @@ class Decoder:
     BLOCK_OPTIONAL: tuple[str, ...] = OPTIONAL
     BLOCK_BIASES: tuple[str, ...] = BIASES
 
+    # required per-block tensors an architecture's own _load_block reads (not as one backend weight)
+    BLOCK_OWN: tuple[str, ...] = ()
+
     @staticmethod
     def block_shapes(cfg) -> dict[str, tuple[int, ...]]:
         """Per-block tensor shapes (GGUF ne) that differ from llama's block (validate.expected_shapes)."""
@@ -146,7 +149,8 @@ class Decoder:
     def _load_block(self, gf, il: int, b) -> SimpleNamespace:
         w = dict.fromkeys(REQUIRED + OPTIONAL + tuple(name + "_bias" for name in BIASES))
         for name in self.BLOCK_REQUIRED:
-            w[name] = b.weight(gf.tensor(f"blk.{il}.{name}.weight"))
+            if name not in self.BLOCK_OWN:
+                w[name] = b.weight(gf.tensor(f"blk.{il}.{name}.weight"))
         for name in self.BLOCK_OPTIONAL:
             t = gf.tensors.get(f"blk.{il}.{name}.weight")
             w[name] = b.weight(t) if t is not None else None
@@ -276,18 +280,21 @@ class Decoder:
         add_rms_norm(x, o, L.post_attention_norm, L.ffn_norm, eps, s.h)
         if not self.PRE_NORM:  # the FFN reads the residual stream
             s.h[...] = x
-        # gated FFN, FFN_CHUNK tokens at a time
-        act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
-        for i, m in ffn_chunks(x.shape[0]):
-            gate, up = s.gate[:m], s.up[:m]
-            linear_many((L.ffn_gate, L.ffn_up), s.h[i:i + m], (gate, up))
-            act(gate, up, gate)
-            b.linear(L.ffn_down, gate, s.o[i:i + m])
+        self.ffn(b, L, s, x.shape[0])
         # (post-norm,) residual connection
         if self.residual_scale is not None:
             s.o *= self.residual_scale
         add_rms_norm(x, s.o, L.post_ffw_norm, None, eps, None)
         return x
+
+    def ffn(self, b, L, s, n: int) -> None:
+        """s.o[:n] = the block's FFN of s.h[:n]: the gated FFN, FFN_CHUNK tokens at a time."""
+        act = b.gelu_mul if self.ACTIVATION == "gelu" else b.silu_mul
+        for i, m in ffn_chunks(n):
+            gate, up = s.gate[:m], s.up[:m]
+            b.linear_many((L.ffn_gate, L.ffn_up), s.h[i:i + m], (gate, up))
+            act(gate, up, gate)
+            b.linear(L.ffn_down, gate, s.o[i:i + m])
 
     def head(self, x) -> np.ndarray:
         """Final norm and output head on the output backend; x (n, n_embd) on that backend.

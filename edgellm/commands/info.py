@@ -42,6 +42,8 @@ def describe(gf) -> dict:
         "head_dim": cfg.head_dim_k,
         "head_dim_v": cfg.head_dim_v,
         "n_ff": cfg.n_ff,
+        "experts": ({"count": cfg.extra["n_expert"], "used": cfg.extra["n_expert_used"],
+                     "n_ff": cfg.extra["n_ff_exp"]} if "n_expert" in cfg.extra else None),
         "n_vocab": cfg.n_vocab,
         "context_length": cfg.n_ctx_train,
         "rope": {
@@ -91,7 +93,9 @@ def run(args) -> int:
         f"file          {printable(d['file'], None)}  ({format_size(d['file_size'])}, GGUF v{d['gguf_version']})",
         f"model         {printable(d['name'], None)}  [{printable(d['architecture'])}]  "
         f"{d['n_params'] / 1e6:.1f} M params, {d['bits_per_weight']} bits/weight",
-        f"layers        {d['n_layer']}    n_embd {d['n_embd']}    n_ff {d['n_ff']}",
+        f"layers        {d['n_layer']}    n_embd {d['n_embd']}    n_ff {d['n_ff']}"
+        + (f"    experts {d['experts']['count']} ({d['experts']['used']} used, n_ff {d['experts']['n_ff']})"
+           if d["experts"] else ""),
         f"heads         {d['n_head']} q / {d['n_head_kv']} kv    head_dim {d['head_dim']}",
         f"context       {d['context_length']} (trained)",
         f"rope          n_rot {r['n_rot']}  base {r['freq_base']:g}  scale {r['freq_scale']:g}"

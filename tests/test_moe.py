@@ -1,0 +1,103 @@
+"""Mixture-of-experts routing (kernels/cpu/moe.py) against its NumPy twins, and what a bad
+qwen3moe file gets. The whole block against llama.cpp: tests/test_oracle.py (qwen3moe entries)."""
+import numpy as np
+import pytest
+from edgellm.kernels import cpu
+from gguf import GGMLQuantizationType as GGMLType
+
+import edgellm
+from edgellm.errors import GGUFError
+from edgellm.synthetic import write_synthetic_gguf
+
+moe = cpu._import("moe")
+F32 = np.float32
+
+
+@pytest.mark.parametrize("n_tok, n", [(1, 256), (1, 100), (4, 256), (3, 100), (2, 40)])
+def test_router_logits_are_the_numpy_twins(n_tok, n):
+    rng = np.random.default_rng(n_tok * 1000 + n)
+    w = rng.standard_normal((24, n)).astype(F32)
+    x = rng.standard_normal((n_tok, n)).astype(F32)
+    out = np.empty((n_tok, 24), F32)
+    moe.router_logits(w, x, out)
+    assert np.array_equal(out, moe.router_logits_ref(w, x))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_of_tokens_takes_another_order_than_one_token():
+    """llama.cpp's router product for one token (vec_dot_f32) and for a batch (tinyBLAS) differ in
+    their last bits: the kernels keep both."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((128, 2048)).astype(F32)
+    x = rng.standard_normal((2, 2048)).astype(F32)
+    one, two = np.empty((1, 128), F32), np.empty((2, 128), F32)
+    moe.router_logits(w, x[:1], one)
+    moe.router_logits(w, x, two)
+    assert not np.array_equal(one[0], two[0])
+    np.testing.assert_allclose(one[0], two[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [8, 12, 128])
+def test_expert_probs_are_a_softmax(n):
+    rng = np.random.default_rng(n)
+    logits = (3 * rng.standard_normal((5, n))).astype(F32)
+    p = moe.expert_probs(logits)
+    assert p.dtype == F32
+    e = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
+    np.testing.assert_allclose(p, e / e.sum(1, keepdims=True), rtol=2e-6, atol=1e-8)
+
+
+def test_route_takes_the_k_best_most_probable_first_and_renormalises():
+    probs = np.array([[0.1, 0.4, 0.05, 0.3, 0.15], [0.2, 0.2, 0.2, 0.3, 0.1]], F32)
+    ids, w = moe.route(probs, 3, norm=True)
+    assert ids.tolist() == [[1, 3, 4], [3, 0, 1]]  # a tie: the lower index first
+    np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-6)
+    assert np.array_equal(w[0], (probs[0, [1, 3, 4]] / F32(0.85)).astype(F32))
+    ids, w = moe.route(probs, 2, norm=False)
+    assert np.array_equal(w, np.take_along_axis(probs, ids, 1))
+    tiny = np.full((1, 4), 1e-6, F32)  # the sum is clamped at 2^-14
+    _, w = moe.route(tiny, 2, norm=True)
+    assert np.array_equal(w[0], (tiny[0, :2] / F32(2.0 ** -14)).astype(F32))
+
+
+def _moe_file(tmp_path, **hparams):
+    return write_synthetic_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=1, n_embd=64, n_head=2, n_head_kv=1,
+                                n_ff=128, n_vocab=384, ggml_type=GGMLType.Q8_0, hparams=hparams)
+
+
+@pytest.mark.parametrize("hparams, words", [
+    ({"expert_used_count": 9}, "expert_used_count"),
+    ({"expert_used_count": 0}, "expert_used_count"),
+])
+def test_a_bad_expert_count_is_a_clear_error(tmp_path, hparams, words):
+    with pytest.raises(GGUFError) as e:
+        edgellm.load(_moe_file(tmp_path, **hparams))
+    assert words in str(e.value)
+
+
+def test_an_expert_tensor_of_the_wrong_shape_is_a_clear_error(tmp_path):
+    """A file whose metadata says wider experts than its tensors hold."""
+    path = _moe_file(tmp_path)
+    patched = path.read_bytes().replace(
+        b"qwen3moe.expert_feed_forward_length" + np.uint32(4).tobytes() + np.uint32(64).tobytes(),
+        b"qwen3moe.expert_feed_forward_length" + np.uint32(4).tobytes() + np.uint32(32).tobytes())
+    assert patched != path.read_bytes()
+    path.write_bytes(patched)
+    with pytest.raises(GGUFError) as e:
+        edgellm.load(path)
+    assert "ffn_gate_exps" in str(e.value) and "corrupt" in str(e.value)
+
+
+def test_sequences_decoded_together_get_their_solo_tokens(tmp_path):
+    """The many-sequence engine on a mixture-of-experts file: batch-invariant, each sequence's
+    greedy tokens are its own alone (the router and experts see one token at a time)."""
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=2, n_embd=128, n_head=2,
+                                n_head_kv=1, n_ff=256, n_vocab=384, ggml_type=GGMLType.Q8_0,
+                                hparams={"expert_count": 16, "expert_used_count": 4})
+    prompts = [[1, 45, 120, 7, 300], [31, 200, 99], [5, 64, 128, 250, 17, 3], [333, 80]]
+    kw = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    with edgellm.load(path, n_seq=4, batch_invariant=True) as m:
+        solo = [[c.token for c in m.generate(t, **kw)] for t in prompts]
+        together = [[c.token for c in r] for r in [m.submit(t, **kw) for t in prompts]]
+    assert together == solo
+    assert len({tuple(s) for s in solo}) == len(prompts)
