@@ -101,3 +101,15 @@ def test_sequences_decoded_together_get_their_solo_tokens(tmp_path):
         together = [[c.token for c in r] for r in [m.submit(t, **kw) for t in prompts]]
     assert together == solo
     assert len({tuple(s) for s in solo}) == len(prompts)
+
+
+def test_bench_counts_the_experts_a_token_reads(tmp_path):
+    from edgellm.commands.bench import weight_bytes
+    from edgellm.config import ModelConfig
+    from edgellm.gguf_file import GGUFFile
+
+    path = _moe_file(tmp_path, expert_count=8, expert_used_count=2)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    experts = sum(t.nbytes for n, t in gf.tensors.items() if n.endswith("_exps.weight"))
+    assert experts > 0 and weight_bytes(gf, cfg) == weight_bytes(gf) - experts + experts // 4

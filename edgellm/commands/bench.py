@@ -34,11 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def weight_bytes(gf) -> int:
-    """Bytes of weights one forward pass reads: every tensor but the token embeddings (one row of
-    them is read), the embeddings in full when they are also the output head."""
+def weight_bytes(gf, cfg=None) -> int:
+    """Bytes of weights one forward pass of a token reads: every tensor but the token embeddings (one
+    row of them is read), the embeddings in full when they are also the output head; of a
+    mixture-of-experts tensor, the experts a token uses (cfg.extra's n_expert_used of n_expert)."""
     tensors = gf.tensors
-    total = sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight")
+    extra = getattr(cfg, "extra", None) or {}
+    used = extra["n_expert_used"] / extra["n_expert"] if "n_expert" in extra else 1.0
+    total = sum(int(t.nbytes * used) if name.endswith("_exps.weight") else t.nbytes
+                for name, t in tensors.items() if name != "token_embd.weight")
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         total += tensors["token_embd.weight"].nbytes
     return total
@@ -62,7 +66,7 @@ def run(args) -> int:
                          threads=args.threads, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn)
     rng = np.random.default_rng(0)
     results = []
-    per_pass = weight_bytes(model.gf)
+    per_pass = weight_bytes(model.gf, model.config)
     depth = args.depth
 
     def prefill():
