@@ -73,16 +73,22 @@ class Model(qwen3.Model):
         moe.router_logits(L.ffn_gate_inp, h, logits)
         ids, weights = moe.route(moe.expert_probs(logits), k, self.NORM_TOPK)
         out = np.empty((n, k, cfg.n_embd), F32)
-        for e in np.unique(ids):
-            tok, slot = np.nonzero(ids == e)  # the rows routed to e: token order, then slot order
-            xe = np.ascontiguousarray(h[tok])
-            gate, up = np.empty((len(tok), ff), F32), np.empty((len(tok), ff), F32)
-            _product(b, L.ffn_gate_exps[e], xe, gate)
-            _product(b, L.ffn_up_exps[e], xe, up)
-            b.silu_mul(gate, up, gate)
-            down = np.empty((len(tok), cfg.n_embd), F32)
-            _product(b, L.ffn_down_exps[e], gate, down)
-            out[tok, slot] = down
+        if n == 1:  # decode: the chosen experts in turn, the token's activations converted once per pair
+            gate, up = np.empty((1, ff), F32), np.empty((1, ff), F32)
+            for j, e in enumerate(ids[0]):
+                b.linear_many((L.ffn_gate_exps[e], L.ffn_up_exps[e]), h, (gate, up))
+                b.silu_mul(gate, up, gate)
+                b.linear(L.ffn_down_exps[e], gate, out[0, j:j + 1])
+        else:
+            for e in np.unique(ids):
+                tok, slot = np.nonzero(ids == e)  # the rows routed to e: token order, then slot order
+                xe = np.ascontiguousarray(h[tok])
+                gate, up = np.empty((len(tok), ff), F32), np.empty((len(tok), ff), F32)
+                _products(b, (L.ffn_gate_exps[e], L.ffn_up_exps[e]), xe, (gate, up))
+                b.silu_mul(gate, up, gate)
+                down = np.empty((len(tok), cfg.n_embd), F32)
+                _products(b, (L.ffn_down_exps[e],), gate, (down,))
+                out[tok, slot] = down
         out *= weights[:, :, None]
         acc = s.o[:n]
         acc[...] = out[:, 0]
@@ -90,17 +96,23 @@ class Model(qwen3.Model):
             acc += out[:, j]
 
 
-def _product(b, w, x: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ w.T with llama.cpp's MUL_MAT_ID order for w's type (see the module's docstring)."""
-    name = _type_name(w)
-    if name in _GROUPED or (name == "Q4_K" and w.n_rows % 8):
-        b.linear(w, x, out)
+def _products(b, ws, x: np.ndarray, outs) -> None:
+    """outs[i] = x @ ws[i].T with llama.cpp's MUL_MAT_ID order for each matrix's type (see the
+    module's docstring): all rows together, or row by row (one-token order)."""
+    together = [_grouped(w) for w in ws]
+    if all(together):
+        b.linear_many(ws, x, outs)
         return
+    for w, o, g in zip(ws, outs, together):
+        if g:
+            b.linear(w, x, o)
+    alone = [(w, o) for w, o, g in zip(ws, outs, together) if not g]
     for r in range(x.shape[0]):
-        b.linear(w, x[r:r + 1], out[r:r + 1])
+        b.linear_many([w for w, _ in alone], x[r:r + 1], [o[r:r + 1] for _, o in alone])
 
 
-def _type_name(w) -> str:
+def _grouped(w) -> bool:
     from gguf import GGMLQuantizationType
 
-    return GGMLQuantizationType(w.ggml_type).name
+    name = GGMLQuantizationType(w.ggml_type).name
+    return name in _GROUPED or (name == "Q4_K" and w.n_rows % 8 != 0)
