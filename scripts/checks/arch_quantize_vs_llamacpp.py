@@ -1,7 +1,7 @@
 """Dev check (needs llama-cpp-python): `edgellm quantize` of a synthetic F16 file of each
 architecture writes the bytes llama.cpp's llama_model_quantize writes, for a few file types.
 
-    python scripts/checks/arch_quantize_vs_llamacpp.py
+    python scripts/checks/arch_quantize_vs_llamacpp.py [ARCH ...]
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=384, seed=3)
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {}, "smollm3": {}, "granite": {},
-         "olmo2": {"tied_output": False}, "phi3": {"tied_output": False, "name": "synthetic-longrope"}}
+         "olmo2": {"tied_output": False}, "phi3": {"tied_output": False, "name": "synthetic-longrope"},
+         "qwen3moe": {"hparams": {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256}}}
 FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q6_K": 18, "Q8_0": 7, "Q4_0": 2}  # llama_ftype values
 
 
@@ -27,6 +28,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         for arch, kw in ARCHS.items():
+            if sys.argv[1:] and arch not in sys.argv[1:]:
+                continue
             src = write_synthetic_gguf(d / f"{arch}-f16.gguf", arch=arch, ggml_type=T.F16, **SHAPE, **kw)
             for tname, ftype in FTYPES.items():
                 ref, ours = d / f"{arch}-{tname}-ref.gguf", d / f"{arch}-{tname}.gguf"
