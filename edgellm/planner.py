@@ -399,6 +399,11 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
         n_gpu = n_layer if n == -1 else min(n, n_layer)
         output_device = "gpu" if n_gpu > 0 else "cpu"
 
+    if n_gpu and "n_expert" in getattr(config, "extra", {}):
+        from edgellm.errors import UnsupportedArchitectureError
+
+        raise UnsupportedArchitectureError(f"{config.arch}: a mixture-of-experts layer runs on the CPU only, for "
+                                           "now: use --gpu-layers 0")
     cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
     layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
     result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape))
@@ -410,6 +415,9 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
 
 
 def _auto(config, sizes, shape, budgets, costs, notes: list[str]) -> tuple[int, str]:
+    if "n_expert" in getattr(config, "extra", {}):
+        notes.append("0 GPU layers: mixture-of-experts layers run on the CPU only, for now")
+        return 0, "cpu"
     if budgets.gpu <= 0:
         notes.append(f"0 GPU layers: no GPU memory to plan for ({budgets.gpu_source}); "
                      "pass --vram SIZE to plan for one")
