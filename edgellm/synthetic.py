@@ -100,6 +100,7 @@ def tensor_table(arch: str, s: Shape, tied_output: bool,
     model = _model(arch)
     hp = {**model.FILE_HPARAMS, **(hparams or {})}
     n_exp, ff_exp = hp.get("expert_count", 0), hp.get("expert_feed_forward_length", 0)
+    ff_sh = hp.get("expert_shared_feed_forward_length") or s.n_ff
     table = [("token_embd.weight", (s.n_vocab, s.n_embd), "embd")]
     for i in range(s.n_layer):
         b = f"blk.{i}."
@@ -119,6 +120,10 @@ def tensor_table(arch: str, s: Shape, tied_output: bool,
             (b + "ffn_gate_exps.weight", (n_exp, ff_exp, s.n_embd), "matrix"),  # expert e: (n_ff_exp, n_embd)
             (b + "ffn_up_exps.weight", (n_exp, ff_exp, s.n_embd), "matrix"),
             (b + "ffn_down_exps.weight", (n_exp, s.n_embd, ff_exp), "matrix"),  # expert e: (n_embd, n_ff_exp)
+            (b + "ffn_gate_inp_shexp.weight", (s.n_embd,), "router"),  # the shared expert's gate (qwen2moe)
+            (b + "ffn_gate_shexp.weight", (ff_sh, s.n_embd), "matrix"),
+            (b + "ffn_up_shexp.weight", (ff_sh, s.n_embd), "matrix"),
+            (b + "ffn_down_shexp.weight", (s.n_embd, ff_sh), "matrix"),
         ] if t[0][len(b):-len(".weight")] in model.BLOCK_REQUIRED]  # (a post-norm block has no pre-norms)
         for suffix, kind in model.FILE_TENSORS:
             table.append((b + suffix, (sizes[kind],), "bias" if kind.endswith("bias") else "norm"))

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen2moe": "qwen2moe",
     "qwen3moe": "qwen3moe",
     "smollm3": "smollm3",
 }

@@ -123,3 +123,9 @@ def test_expert_layers_on_the_gpu_are_refused_clearly(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
     with pytest.raises(UnsupportedArchitectureError, match="--gpu-layers 0"):
         edgellm.load(_moe_file(tmp_path), gpu_layers=1)
+
+
+def test_the_shared_experts_gate_is_a_sigmoid():
+    x = np.array([[-8.0], [-0.5], [0.0001], [1.5], [9.0]], F32)
+    gate = moe.silu_scalar(x) / x  # qwen2moe's sigmoid, as llama.cpp's graph computes it
+    np.testing.assert_allclose(gate, 1 / (1 + np.exp(-x.astype(np.float64))), rtol=3e-7)

@@ -125,3 +125,14 @@ def route(probs: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray
             s += w[:, j]
         w = w / np.maximum(s.astype(F32), CLAMP_MIN)[:, None]
     return ids, w.astype(F32)
+
+
+def silu_scalar(x: np.ndarray) -> np.ndarray:
+    """float32 x / (1 + expf(-x)) with the C library's expf: ggml's silu of rows shorter than 8 (the
+    scalar tail), as qwen2moe's shared-expert gate takes it."""
+    from edgellm.kernels.cpu.reference import _expf
+
+    expf = _expf()
+    flat = np.asarray(x, F32).reshape(-1)
+    out = np.array([v / (F32(1.0) + expf(-v)) for v in flat], dtype=F32)
+    return out.reshape(np.shape(x))

@@ -13,7 +13,9 @@ from pathlib import Path
 SHAPE = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=384, seed=3)
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {}, "smollm3": {}, "granite": {},
          "olmo2": {"tied_output": False}, "phi3": {"tied_output": False, "name": "synthetic-longrope"},
-         "qwen3moe": {"hparams": {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256}}}
+         "qwen3moe": {"hparams": {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256}},
+         "qwen2moe": {"tied_output": False, "hparams": {"expert_count": 8, "expert_feed_forward_length": 256,
+                                                        "expert_shared_feed_forward_length": 512}}}
 FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q6_K": 18, "Q8_0": 7, "Q4_0": 2}  # llama_ftype values
 
 
