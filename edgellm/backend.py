@@ -240,6 +240,12 @@ class Backend(ABC):
         for w, out in zip(ws, outs):
             self.linear(w, x, out)
 
+    def linear_rows(self, ws, x, outs) -> None:
+        """outs[i] = x @ ws[i].T with every row of x alone: each row gets the bits a one-token product
+        gives it (llama.cpp's MUL_MAT_ID rows for the types it runs one token at a time)."""
+        for r in range(x.shape[0]):
+            self.linear_many(ws, x[r:r + 1], [o[r:r + 1] for o in outs])
+
     def add_rms_norm(self, x, o, post_w, next_w, eps: float, h) -> None:
         """Residual step: o = rms_norm(o) * post_w (if given); x += o; h = rms_norm(x) * next_w
         (if given). x, o, h (n_tok, n_embd)."""

@@ -107,8 +107,7 @@ def _products(b, ws, x: np.ndarray, outs) -> None:
         if g:
             b.linear(w, x, o)
     alone = [(w, o) for w, o, g in zip(ws, outs, together) if not g]
-    for r in range(x.shape[0]):
-        b.linear_many([w for w, _ in alone], x[r:r + 1], [o[r:r + 1] for _, o in alone])
+    b.linear_rows([w for w, _ in alone], x, [o for _, o in alone])
 
 
 def _grouped(w) -> bool:

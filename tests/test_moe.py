@@ -129,3 +129,23 @@ def test_the_shared_experts_gate_is_a_sigmoid():
     x = np.array([[-8.0], [-0.5], [0.0001], [1.5], [9.0]], F32)
     gate = moe.silu_scalar(x) / x  # qwen2moe's sigmoid, as llama.cpp's graph computes it
     np.testing.assert_allclose(gate, 1 / (1 + np.exp(-x.astype(np.float64))), rtol=3e-7)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "Q4_0", "F16"])
+def test_linear_rows_gives_each_row_its_one_token_bits(qtype):
+    """The expert products' rows alone (CPUBackend.linear_rows: one conversion of the batch, then
+    the one-token kernel per row) against one-token products row by row."""
+    from edgellm.kernels.cpu.backend import CPUBackend, QMatrix
+    from quant_blocks import random_rows
+
+    t = GGMLType[qtype]
+    raw = random_rows(t, 24, 512, seed=5)
+    w = QMatrix(int(t), raw, 24, 512, "w")
+    x = np.random.default_rng(1).standard_normal((11, 512)).astype(F32)
+    b = CPUBackend(threads=2)
+    out = np.empty((11, 24), F32)
+    b.linear_rows([w], x, [out])
+    one = np.empty((1, 24), F32)
+    for r in range(11):
+        b.linear(w, x[r:r + 1], one)
+        assert np.array_equal(out[r], one[0])

@@ -443,6 +443,19 @@ class Matrix:
         else:
             self._mv(self.weights, *xa.parts, out)
 
+    def matvec_rows(self, xa: Activation, out: np.ndarray) -> None:
+        """out (n_tok, n_rows): each token of a batch from quantize_batch through matvec_act alone
+        (the one-token order for every row)."""
+        n_tok = out.shape[0]
+        if xa.format != self.act_format or xa.n != n_tok * self.n_cols:
+            raise InvalidArgumentError(f"{self._qtype.name} rows need {n_tok} x {self.n_cols} values as "
+                                       f"{self.act_format}; got {xa.format} of {xa.n}")
+        one = Activation(xa.format, self.n_cols, ())
+        steps = [len(p) // n_tok for p in xa.parts]
+        for t in range(n_tok):
+            one.parts = tuple(p[t * k:(t + 1) * k] for p, k in zip(xa.parts, steps))
+            self.matvec_act(one, out[t])
+
     def matmul(self, x: np.ndarray, out: np.ndarray) -> None:
         """out float32 (n_tok, n_rows) = x @ W.T, x float32 (n_tok, n_cols).
 

@@ -428,6 +428,20 @@ class CPUBackend(NumpyBackend):
             for w, out in zip(ws, outs):
                 self.linear(w, x, out)
 
+    def linear_rows(self, ws, x: np.ndarray, outs) -> None:
+        """Backend.linear_rows: the batch converted once per activation format (row by row, as
+        one token is), then each row through the one-token kernels."""
+        if x.shape[0] == 1 or not all(isinstance(w, QMatrix) for w in ws):
+            super().linear_rows(ws, x, outs)
+            return
+        converted = {}
+        for w, out in zip(ws, outs):
+            m = self._matrix(w)
+            xa = converted.get(m.act_format)
+            if xa is None:
+                xa = converted[m.act_format] = m.quantize_batch(x)
+            m.matvec_rows(xa, out)
+
     @property
     def ops(self):
         if self._ops is None:
