@@ -149,3 +149,36 @@ def test_linear_rows_gives_each_row_its_one_token_bits(qtype):
     for r in range(11):
         b.linear(w, x[r:r + 1], one)
         assert np.array_equal(out[r], one[0])
+
+
+@pytest.mark.parametrize("n, k, norm", [(8, 2, True), (12, 3, False), (128, 8, True), (40, 8, False)])
+def test_the_routing_kernel_is_its_numpy_twins(n, k, norm):
+    rng = np.random.default_rng(n + k)
+    logits = (2 * rng.standard_normal((9, n))).astype(F32)
+    logits[0, :4] = logits[0, 4]  # a tie: the lower index first
+    ids, w = moe.route_logits(logits, k, norm)
+    ref_ids, ref_w = moe.route(moe.expert_probs(logits), k, norm)
+    assert np.array_equal(ids, ref_ids) and np.array_equal(w, ref_w)
+
+
+def test_every_expert_is_resident_after_load(tmp_path):
+    """With the arena (use_mmap=False) each expert's matrix is copied or packed there at load, not
+    at its first use mid-generation; the logits are the mapped model's bit for bit."""
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=2, n_embd=256, n_head=2,
+                                n_head_kv=1, n_ff=256, n_vocab=384, ggml_type=GGMLType.Q4_K,
+                                hparams={"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256},
+                                tensor_types={f"blk.{i}.ffn_down_exps.weight": GGMLType.Q8_0 for i in range(2)})
+    copied = edgellm.load(path, n_ctx=64, use_mmap=False)
+    mapped = edgellm.load(path, n_ctx=64, use_mmap=True)
+    cpu = copied.runtime.backends["cpu"]
+    chunks = [np.frombuffer(c, np.uint8) for c in cpu.arena._chunks]
+    experts = [w for L in copied.runtime.model.blocks for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+               for w in getattr(L, name)]
+    assert len(experts) == 2 * 3 * 8
+    for w in experts:
+        if w.ggml_type == GGMLType.Q4_K:  # packed by eight into the arena at load (bound then)
+            assert id(w) in cpu._bound and any(np.shares_memory(cpu._bound[id(w)][1].packed, c) for c in chunks)
+        else:
+            assert w.ggml_type == GGMLType.Q8_0 and any(np.shares_memory(w.data, c) for c in chunks)
+    tokens = [1, 45, 120, 7, 300, 31]
+    np.testing.assert_array_equal(copied.logits(tokens), mapped.logits(tokens))

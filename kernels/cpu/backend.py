@@ -361,14 +361,20 @@ class CPUBackend(NumpyBackend):
         for L, b in zip(model.blocks, model.layer_backends):
             if b is self:
                 for name, w in list(vars(L).items()):
-                    if isinstance(w, QMatrix) and not self._packed(w):
-                        setattr(L, name, dataclasses.replace(w, data=self.arena.copy(w.data)))
+                    if isinstance(w, QMatrix):
+                        setattr(L, name, self._resident(w))
+                    elif isinstance(w, list):  # a mixture of experts' matrices, one per expert
+                        setattr(L, name, [self._resident(e) if isinstance(e, QMatrix) else e for e in w])
         if model.output_backend is self and isinstance(model.output, QMatrix):
             if not self._packed(model.output):
                 head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
                 if model.output is model.token_embd:
                     model.token_embd = head
                 model.output = head
+
+    def _resident(self, w: QMatrix) -> QMatrix:
+        """w in the arena: packed there (bound), or its rows copied."""
+        return w if self._packed(w) else dataclasses.replace(w, data=self.arena.copy(w.data))
 
     def packed_extra_bytes(self) -> int:
         """Bytes the bound matrices packed by eight (Matrix.pack) hold beyond their file rows."""

@@ -8,8 +8,10 @@ token's alone (a one-ulp logit can change the chosen experts). Each kernel has i
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from edgellm.kernels.cpu.common import fma32
+from edgellm.kernels.cpu.common import expf_ggml, fma32
 from numba import njit, prange
 
 F32 = np.float32
@@ -125,6 +127,53 @@ def route(probs: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray
             s += w[:, j]
         w = w / np.maximum(s.astype(F32), CLAMP_MIN)[:, None]
     return ids, w.astype(F32)
+
+
+@njit(cache=True)
+def _route(logits, k, norm, ids, weights):
+    n_tok, n = logits.shape
+    nb = n & ~7
+    e = np.empty(n, np.float32)
+    taken = np.empty(n, np.bool_)
+    for t in range(n_tok):
+        x = logits[t]
+        m = x[0]
+        for i in range(1, n):
+            m = max(m, x[i])
+        total = 0.0  # float64, as ggml_float
+        for g in range(0, nb, 8):
+            for i in range(8):
+                e[g + i] = expf_ggml(x[g + i] - m)
+            total += ((e[g] + e[g + 4]) + (e[g + 2] + e[g + 6])) + ((e[g + 1] + e[g + 5]) + (e[g + 3] + e[g + 7]))
+        for i in range(nb, n):
+            e[i] = np.float32(math.exp(x[i] - m))  # the C library's expf
+            total += e[i]
+        scale = np.float32(1.0 / total)
+        for i in range(n):
+            e[i] *= scale
+            taken[i] = False
+        s = 0.0
+        for j in range(k):  # the most probable left, the lower index on a tie
+            best = -1
+            for i in range(n):
+                if not taken[i] and (best < 0 or e[i] > e[best]):
+                    best = i
+            taken[best] = True
+            ids[t, j] = best
+            weights[t, j] = e[best]
+            s += e[best]
+        if norm:
+            d = max(np.float32(s), np.float32(6.103515625e-5))
+            for j in range(k):
+                weights[t, j] = weights[t, j] / d
+
+
+def route_logits(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """route(expert_probs(logits), k, norm) in one Numba call (the same bits)."""
+    ids = np.empty((logits.shape[0], k), np.int64)
+    weights = np.empty((logits.shape[0], k), F32)
+    _route(np.ascontiguousarray(logits, dtype=F32), k, norm, ids, weights)
+    return ids, weights
 
 
 def silu_scalar(x: np.ndarray) -> np.ndarray:
