@@ -240,6 +240,13 @@ class Backend(ABC):
         for w, out in zip(ws, outs):
             self.linear(w, x, out)
 
+    def moe_decode(self, experts, ids, h, out) -> bool:
+        """One token through several experts in fewer kernel calls: out (k, n_embd) = the SwiGLU FFN
+        of h (1, n_embd) through expert ids[j] in row j, experts = (gate, up, down) lists of
+        matrices; the bits of the products one by one. False (nothing done) where the backend has
+        no such path for these weights."""
+        return False
+
     def linear_rows(self, ws, x, outs) -> None:
         """outs[i] = x @ ws[i].T with every row of x alone: each row gets the bits a one-token product
         gives it (llama.cpp's MUL_MAT_ID rows for the types it runs one token at a time)."""

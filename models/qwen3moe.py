@@ -60,6 +60,8 @@ class Model(qwen3.Model):
         for name in EXPERTS:
             t = gf.tensor(f"blk.{il}.{name}.weight")
             setattr(L, name, [b.weight(t.expert(e)) for e in range(t.ne[2])])
+            if hasattr(b, "bind_experts"):  # all of a tensor's experts in one packed array (decode's kernels)
+                b.bind_experts(getattr(L, name))
         return L
 
     def ffn(self, b, L, s, n: int) -> None:
@@ -73,7 +75,9 @@ class Model(qwen3.Model):
         moe.router_logits(L.ffn_gate_inp, h, logits)
         ids, weights = moe.route_logits(logits, k, self.NORM_TOPK)
         out = np.empty((n, k, cfg.n_embd), F32)
-        if n == 1:  # decode: the chosen experts' gate and up products from one conversion of the token
+        if n == 1 and b.moe_decode((L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps), ids[0], h, out[0]):
+            pass
+        elif n == 1:  # decode: the chosen experts' gate and up products from one conversion of the token
             gate, up = np.empty((k, 1, ff), F32), np.empty((k, 1, ff), F32)
             chosen = ids[0].tolist()
             b.linear_many([L.ffn_gate_exps[e] for e in chosen] + [L.ffn_up_exps[e] for e in chosen], h,

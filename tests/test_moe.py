@@ -182,3 +182,23 @@ def test_every_expert_is_resident_after_load(tmp_path):
             assert w.ggml_type == GGMLType.Q8_0 and any(np.shares_memory(w.data, c) for c in chunks)
     tokens = [1, 45, 120, 7, 300, 31]
     np.testing.assert_array_equal(copied.logits(tokens), mapped.logits(tokens))
+
+
+def test_the_fused_expert_decode_is_the_products_one_by_one(tmp_path, monkeypatch):
+    """CPUBackend.moe_decode (all experts of a Q4_K tensor packed in one array, two parallel
+    kernels) gives the bits of the experts' products one at a time."""
+    from edgellm.kernels.cpu.backend import CPUBackend
+
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=2, n_embd=256, n_head=2,
+                                n_head_kv=1, n_ff=256, n_vocab=384, ggml_type=GGMLType.Q4_K,
+                                hparams={"expert_count": 16, "expert_used_count": 4, "expert_feed_forward_length": 256})
+    calls = []
+    fused = CPUBackend.moe_decode
+    monkeypatch.setattr(CPUBackend, "moe_decode", lambda self, *a: calls.append(fused(self, *a)) or calls[-1])
+    kw = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    with edgellm.load(path, n_ctx=64) as m:
+        tokens = [c.token for c in m.generate([1, 45, 120, 7], **kw)]
+    assert len(calls) >= 2 * 15 and all(calls)  # every decode step of both layers took the fused path
+    monkeypatch.setattr(CPUBackend, "moe_decode", lambda self, *a: False)
+    with edgellm.load(path, n_ctx=64) as m:
+        assert [c.token for c in m.generate([1, 45, 120, 7], **kw)] == tokens

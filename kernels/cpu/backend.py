@@ -333,6 +333,7 @@ class CPUBackend(NumpyBackend):
         self._stacks: dict[tuple, object] = {}  # (blocks, caches, ropes) -> decode_layers' arguments, or False
         self._fused_ops = None
         self._act_buffers = None
+        self._experts: dict[int, tuple] = {}  # id(a list of expert QMatrix) -> (the list, their packed rows)
 
     def claim_thread(self) -> None:
         """Numba's thread count belongs to the calling thread: a step run from a thread other than
@@ -363,14 +364,69 @@ class CPUBackend(NumpyBackend):
                 for name, w in list(vars(L).items()):
                     if isinstance(w, QMatrix):
                         setattr(L, name, self._resident(w))
-                    elif isinstance(w, list):  # a mixture of experts' matrices, one per expert
-                        setattr(L, name, [self._resident(e) if isinstance(e, QMatrix) else e for e in w])
+                    elif isinstance(w, list):  # a mixture of experts' matrices, one per expert (in
+                        # place: bind_experts knows the list)
+                        w[:] = [self._resident(e) if isinstance(e, QMatrix) else e for e in w]
         if model.output_backend is self and isinstance(model.output, QMatrix):
             if not self._packed(model.output):
                 head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))
                 if model.output is model.token_embd:
                     model.token_embd = head
                 model.output = head
+
+    def bind_experts(self, ws: list) -> None:
+        """The experts of one mixture-of-experts tensor, Q4_K with rows by eight, packed into one
+        array (expert e's rows from row e * n_rows on; in the arena when there is one) and each
+        bound to its part: what moe_decode's kernels read. Other types are bound one by one, later."""
+        kernels = self.kernels
+        w0 = ws[0] if ws else None
+        if (w0 is None or not all(isinstance(w, QMatrix) for w in ws)
+                or any((w.ggml_type, w.n_rows, w.n_cols) != (w0.ggml_type, w0.n_rows, w0.n_cols) for w in ws)
+                or not kernels.packs_by_eight(w0.ggml_type, w0.n_rows)):
+            return
+        from edgellm.kernels.cpu.kquants import pack8_shape
+        from edgellm.resident import drop_pages
+        from edgellm.validate import check_matrix_bytes
+
+        rows, cols = pack8_shape(w0.data.shape)
+        shape = (len(ws) * rows, cols)
+        packed = self.arena.empty(shape) if self.arena is not None else np.empty(shape, np.uint8)
+        for e, w in enumerate(ws):
+            check_matrix_bytes(w)
+            m = kernels.bind(w.ggml_type, w.data, w.n_cols)
+            m.pack(lambda _shape, e=e: packed[e * rows:(e + 1) * rows])
+            if not w.data.flags.writeable:
+                drop_pages(w.data)
+            self._bound[id(w)] = (w, m)
+        self._experts[id(ws)] = (ws, packed)
+
+    def moe_decode(self, experts, ids: np.ndarray, h: np.ndarray, out: np.ndarray) -> bool:
+        """out (k, n_embd) = the SwiGLU FFN of the token h (1, n_embd) through expert ids[j] in row j,
+        experts = (gate, up, down) lists: one conversion of h, the gate and up rows of every chosen
+        expert in one parallel loop, the activation, the down rows in another (or expert by expert
+        when the down experts are of another type); each row in the one-token order. False (nothing
+        done) unless gate and up were packed by bind_experts."""
+        found = [self._experts.get(id(ws)) for ws in experts]
+        found = [f if f is not None and f[0] is ws else None for f, ws in zip(found, experts)]
+        if found[0] is None or found[1] is None:
+            return False
+        (gl, gp), (_, upk) = found[:2]
+        ff, k = gl[0].n_rows, ids.shape[0]
+        moe = self.kernels._import("moe")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        xq, xd, xs, _ = self.kernels.quantize("q8_k", h[0]).parts
+        gate, up = np.empty((k, ff), F32), np.empty((k, ff), F32)
+        moe.decode_gate_up_q4k8(gp, upk, ids, xq, xd, xs, xd.size, ff, gate.reshape(-1), up.reshape(-1))
+        self.silu_mul(gate, up, gate)
+        if found[2] is None:
+            for j, e in enumerate(ids.tolist()):
+                self.linear(experts[2][e], gate[j:j + 1], out[j:j + 1])
+            return True
+        dl, dp = found[2]
+        xa = self.kernels._quantize("q8_k", gate.reshape(-1), batch=True)
+        moe.decode_down_q4k8(dp, ids, xa.parts[0], xa.parts[1], xa.parts[2], ff // 256, dl[0].n_rows,
+                             out.reshape(-1))
+        return True
 
     def _resident(self, w: QMatrix) -> QMatrix:
         """w in the arena: packed there (bound), or its rows copied."""

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 from edgellm.kernels.cpu.common import expf_ggml, fma32
+from edgellm.kernels.cpu.rows8 import il8_q4_k
 from numba import njit, prange
 
 F32 = np.float32
@@ -185,3 +186,37 @@ def silu_scalar(x: np.ndarray) -> np.ndarray:
     flat = np.asarray(x, F32).reshape(-1)
     out = np.array([v / (F32(1.0) + expf(-v)) for v in flat], dtype=F32)
     return out.reshape(np.shape(x))
+
+
+# --- one token through the chosen experts (Q4_K rows packed by eight, all experts in one array) --------
+@njit(cache=True, parallel=True)
+def decode_gate_up_q4k8(gp, upk, ids, xq, xd, xs, nb, rows, gate, up):
+    """gate[j], up[j] (float32 (k * rows,) flat) = expert ids[j]'s gate and up rows times the token
+    (Q8_K parts xq, xd, xs of nb super-blocks), each row group as matvec_q4_k8 computes it; gp and
+    upk hold every expert's packed rows, expert e's from row e * rows on."""
+    k = ids.shape[0]
+    g8 = rows // 8
+    rb = np.uint64(gp.shape[1])
+    for task in prange(2 * k * g8):
+        j = (task // g8) % k
+        g = task % g8
+        w_off = np.uint64(ids[j] * rows + 8 * g) * rb
+        o_off = np.uint64(j * rows + 8 * g)
+        if task < k * g8:
+            il8_q4_k(gp, w_off, xq, xd, xs, np.uint64(0), np.uint64(nb), gate, o_off)
+        else:
+            il8_q4_k(upk, w_off, xq, xd, xs, np.uint64(0), np.uint64(nb), up, o_off)
+
+
+@njit(cache=True, parallel=True)
+def decode_down_q4k8(dp, ids, xq, xd, xs, nb, rows, out):
+    """out[j] (float32 (k * rows,) flat) = expert ids[j]'s down rows times activation row j (Q8_K
+    parts of k rows end to end, nb super-blocks each)."""
+    k = ids.shape[0]
+    g8 = rows // 8
+    rb = np.uint64(dp.shape[1])
+    for task in prange(k * g8):
+        j = task // g8
+        g = task % g8
+        il8_q4_k(dp, np.uint64(ids[j] * rows + 8 * g) * rb, xq, xd, xs, np.uint64(j * nb), np.uint64(nb), out,
+                 np.uint64(j * rows + 8 * g))
