@@ -75,16 +75,15 @@ class Model(qwen3.Model):
         moe.router_logits(L.ffn_gate_inp, h, logits)
         ids, weights = moe.route_logits(logits, k, self.NORM_TOPK)
         out = np.empty((n, k, cfg.n_embd), F32)
-        if n == 1 and b.moe_decode((L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps), ids[0], h, out[0]):
-            pass
-        elif n == 1:  # decode: the chosen experts' gate and up products from one conversion of the token
-            gate, up = np.empty((k, 1, ff), F32), np.empty((k, 1, ff), F32)
-            chosen = ids[0].tolist()
-            b.linear_many([L.ffn_gate_exps[e] for e in chosen] + [L.ffn_up_exps[e] for e in chosen], h,
-                          list(gate) + list(up))
-            b.silu_mul(gate.reshape(k, ff), up.reshape(k, ff), gate.reshape(k, ff))
-            for j, e in enumerate(chosen):
-                b.linear(L.ffn_down_exps[e], gate[j], out[0, j:j + 1])
+        if n == 1:  # decode: the backend's fused expert kernels, or the chosen experts' products in turn
+            if not b.moe_decode((L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps), ids[0], h, out[0]):
+                gate, up = np.empty((k, 1, ff), F32), np.empty((k, 1, ff), F32)
+                chosen = ids[0].tolist()
+                b.linear_many([L.ffn_gate_exps[e] for e in chosen] + [L.ffn_up_exps[e] for e in chosen], h,
+                              list(gate) + list(up))
+                b.silu_mul(gate.reshape(k, ff), up.reshape(k, ff), gate.reshape(k, ff))
+                for j, e in enumerate(chosen):
+                    b.linear(L.ffn_down_exps[e], gate[j], out[0, j:j + 1])
         else:
             for e in np.unique(ids):
                 tok, slot = np.nonzero(ids == e)  # the rows routed to e: token order, then slot order
