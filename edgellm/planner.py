@@ -212,6 +212,20 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             ffn_up=ffn_rows * c.n_ff * F32,  # (FFN chunk, n_ff)
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
+    moe = getattr(c, "extra", None) or {}
+    if runs_blocks and "n_expert" in moe:
+        k, ffe = moe["n_expert_used"], moe["n_ff_exp"]
+        buffers.update(
+            moe_logits=t * moe["n_expert"] * F32,  # the router's scores (n_tok, n_expert)
+            moe_out=t * k * c.n_embd * F32,  # each chosen expert's output, weighted, before their sum
+            # one expert at a time: its rows (at most every token), their gate, up and down products
+            moe_rows=t * c.n_embd * F32, moe_gate=t * ffe * F32, moe_up=t * ffe * F32,
+            moe_down=t * c.n_embd * F32,
+        )
+        if moe.get("n_ff_shexp") is not None:  # qwen2moe: the experts' sum kept while the shared expert runs
+            ffs = moe["n_ff_shexp"] or c.n_ff
+            buffers.update(shexp_sum=t * c.n_embd * F32, shexp_gate=ffn_rows * ffs * F32,
+                           shexp_up=ffn_rows * ffs * F32)
     if not is_host and (runs_blocks or holds_head):
         # a prompt's product dequantizes its matrix to float32, at most GPU_DEQUANT_BYTES at a time
         # (a slice of rows of a larger one), and the slice's output (n_tok, rows of the slice)
