@@ -16,7 +16,7 @@ import edgellm
 
 DATA = Path(__file__).parent / "data"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "fixtures"))
-import make_oracle  # noqa: E402  (the fixture writer: prompts, shapes and seeds live there)
+import make_oracle  # the fixture writer: prompts, shapes and seeds live there
 
 
 def load_fixture(name):
@@ -121,3 +121,22 @@ def test_new_architecture_gives_llamacpps_logits_bit_for_bit(tmp_path, arch, tna
         greedy = [c.token for c in model.generate(tokens, max_tokens=len(rec["greedy"]), temperature=0,
                                                   ignore_eos=True, cache_prompt=False)]
         assert greedy == rec["greedy"].tolist()
+
+
+def test_moe_expert_rows_in_the_wrong_order_miss_llamacpps_logits(tmp_path, monkeypatch):
+    """The qwen3moe Q4_K fixture's Q6_K down experts get 8+ rows of the prompt: run them row by row
+    (the one-token order) instead of together (llama.cpp's tiled order) and the prompt logits move,
+    so the oracle test above sees the order."""
+    from edgellm.models import qwen3moe
+    from gguf import GGMLQuantizationType as T
+
+    from edgellm.synthetic import write_synthetic_gguf
+
+    arch, tname, changes = next(e for e in make_oracle.SYNTHETIC_EXACT if e[:2] == ("qwen3moe", "Q4_K"))
+    _, (rec,) = load_fixture(make_oracle.exact_name(arch, tname, changes))
+    path = write_synthetic_gguf(tmp_path / "m.gguf", arch=arch, ggml_type=T[tname],
+                                **{**make_oracle.SYNTHETIC_SHAPE, **changes})
+    monkeypatch.setattr(qwen3moe, "_GROUPED", set())
+    with edgellm.load(path, n_ctx=make_oracle.N_CTX, n_batch=make_oracle.N_CTX) as model:
+        ours = np.take_along_axis(model.logits(rec["tokens"].tolist()), rec["top_ids"].astype(np.int64), axis=1)
+    assert float(np.abs(ours - rec["top_logits"]).max()) > 0.0
