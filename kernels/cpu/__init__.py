@@ -181,14 +181,17 @@ _MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (they fault back in 
 
 
 def compiler_resident_bytes() -> int:
-    """Bytes of the compiler library resident in this process (0 where /proc is not there)."""
+    """Bytes of the compiler library resident in this process and mapped by no other one (0 where
+    /proc is not there): the pages release_compiler can hand back; a page another process maps
+    (a parent that compiled too) stays resident whatever this one does."""
     total, current = 0, None
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
                     current = line
-                elif line.startswith("Rss:") and current is not None and _COMPILER_LIBRARY in current:
+                elif (line.startswith(("Private_Clean:", "Private_Dirty:")) and current is not None
+                      and _COMPILER_LIBRARY in current):
                     total += int(line.split()[1]) * 1024
     except OSError:
         return 0
