@@ -22,6 +22,7 @@ than one sequence running (or waiting) the engine stands down and proposes nothi
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -97,6 +98,8 @@ class Engine:
         self.n_ctx = n_ctx
         self.policy = policy
         self.lock = lock or threading.RLock()  # held while a step runs (the runtime is not reentrant)
+        self._free = threading.Event()  # clear while held(): the engine thread starts no step
+        self._free.set()
         self._cv = threading.Condition()  # guards the queues below
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
@@ -190,7 +193,20 @@ class Engine:
                     self._cv.wait()
                 if self._closed and not (self.waiting or self.running):
                     return
+            self._free.wait()
             self._run_step(blocking=True)
+
+    @contextlib.contextmanager
+    def held(self):
+        """No step runs inside: the engine thread finishes the step it is in and starts no other
+        until the block ends (a bare `with lock` can wait many steps: the stepping thread takes the
+        lock again first)."""
+        self._free.clear()
+        try:
+            with self.lock:
+                yield
+        finally:
+            self._free.set()
 
     def drive(self, waiting_for=None) -> bool:
         """Run one step in the calling thread (a caller waiting for its Request's next chunk; it

@@ -231,7 +231,7 @@ def test_queue_full_is_503(srv):
             assert a.status_code == b.status_code == 200
             # no step runs while the test holds the engine's step lock: neither stream can finish (a
             # slow moment between the two 200s and the third request once let one finish first)
-            with srv.model.engine.lock, pytest.raises(openai.InternalServerError) as e:
+            with srv.model.engine.held(), pytest.raises(openai.InternalServerError) as e:
                 assert srv.engine.in_flight == 2
                 srv.client.chat.completions.create(model=srv.name, messages=HI, max_tokens=2)
             assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
@@ -258,7 +258,7 @@ def test_a_client_that_left_does_not_hold_a_queue_place(srv):
         with srv.http.stream("POST", "/v1/completions", json=body) as a:
             b = srv.http.stream("POST", "/v1/completions", json=body)
             assert a.status_code == b.__enter__().status_code == 200
-            with srv.model.engine.lock:  # no step: b's request cannot end
+            with srv.model.engine.held():  # no step: b's request cannot end
                 # once b's thread has forwarded its last chunk it waits for the next step (a cancel
                 # does not wake it, so b's request stays in flight); before that a cancel ends it at once
                 sb = max(srv.engine.streams, key=lambda x: x.t_start)
