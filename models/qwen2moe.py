@@ -43,8 +43,6 @@ class Model(qwen3moe.Model):
         return L
 
     def ffn(self, b, L, s, n: int) -> None:
-        from edgellm.kernels import cpu
-
         super().ffn(b, L, s, n)  # the experts' sum into s.o[:n]
         experts = s.o[:n].copy()
         # the shared expert: the dense FFN (its batch orders) into s.o[:n], on buffers of its width
@@ -54,6 +52,6 @@ class Model(qwen3moe.Model):
         Decoder.ffn(self, b, SimpleNamespace(ffn_gate=L.ffn_gate_shexp, ffn_up=L.ffn_up_shexp,
                                              ffn_down=L.ffn_down_shexp), shared, n)
         g = np.empty((n, 1), F32)
-        cpu._import("moe").router_logits(L.ffn_gate_inp_shexp, s.h[:n], g)
-        s.o[:n] *= cpu._import("moe").silu_scalar(g) / g
+        self.moe.router_logits(L.ffn_gate_inp_shexp, s.h[:n], g)
+        s.o[:n] *= self.moe.silu_scalar(g) / g
         s.o[:n] += experts

@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 from edgellm.models import qwen3
 from edgellm.models.decoder import REQUIRED
+from gguf import GGMLQuantizationType
 
 F32 = np.float32
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -64,10 +65,14 @@ class Model(qwen3.Model):
                 b.bind_experts(getattr(L, name))
         return L
 
-    def ffn(self, b, L, s, n: int) -> None:
+    def configure(self) -> None:
         from edgellm.kernels import cpu
 
-        moe = cpu._import("moe")
+        super().configure()
+        self.moe = cpu._import("moe")  # the routing kernels (looked up once, not per layer and token)
+
+    def ffn(self, b, L, s, n: int) -> None:
+        moe = self.moe
         h = s.h[:n]
         cfg = self.cfg
         k, ff = cfg.extra["n_expert_used"], cfg.extra["n_ff_exp"]
@@ -116,7 +121,5 @@ def _products(b, ws, x: np.ndarray, outs) -> None:
 
 
 def _grouped(w) -> bool:
-    from gguf import GGMLQuantizationType
-
     name = GGMLQuantizationType(w.ggml_type).name
     return name in _GROUPED or (name == "Q4_K" and w.n_rows % 8 != 0)

@@ -1,27 +1,20 @@
 """Tool calls and structured output over a real socket with the official `openai` client, on the
 real Qwen2.5-Coder-0.5B-Instruct and SmolLM2-135M-Instruct files."""
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 from served import Served
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "vs_llamacpp"))
+# the requests the dev script also sends to llama-server: one definition of the tool and the schema
+from tools_vs_llama_server import ASK, ORDER, WEATHER
+
 ARGS = WEATHER["function"]["parameters"]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-ITEM = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
-                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                                         "kind": {"enum": ["book", "pen", "cup"]}},
-        "required": ["title", "qty", "kind"], "additionalProperties": False}
-ORDER = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 1, "maxItems": 3},
-                                          "paid": {"type": "boolean"}},
-         "required": ["items", "paid"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module", params=["qwen05_path", "smollm2_path"])
