@@ -8,6 +8,7 @@ token's alone (a one-ulp logit can change the chosen experts). Each kernel has i
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -180,9 +181,7 @@ def route_logits(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np
 def silu_scalar(x: np.ndarray) -> np.ndarray:
     """float32 x / (1 + expf(-x)) with the C library's expf: ggml's silu of rows shorter than 8 (the
     scalar tail), as qwen2moe's shared-expert gate takes it."""
-    from edgellm.kernels.cpu.reference import _expf
-
-    expf = _expf()
+    expf = _c_expf()
     flat = np.asarray(x, F32).reshape(-1)
     out = np.array([v / (F32(1.0) + expf(-v)) for v in flat], dtype=F32)
     return out.reshape(np.shape(x))
@@ -220,3 +219,11 @@ def decode_down_q4k8(dp, ids, xq, xd, xs, nb, rows, out):
         g = task % g8
         il8_q4_k(dp, np.uint64(ids[j] * rows + 8 * g) * rb, xq, xd, xs, np.uint64(j * nb), np.uint64(nb), out,
                  np.uint64(j * rows + 8 * g))
+
+
+@functools.cache
+def _c_expf():
+    """The C library's expf, found once (finding the library runs ldconfig: milliseconds)."""
+    from edgellm.kernels.cpu.reference import _expf
+
+    return _expf()
