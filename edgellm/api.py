@@ -84,7 +84,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
          quiet: bool = True, use_mmap: bool | None = None, spec_type: str = "none", spec_draft_n_max: int = 16,
          spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16,
-         flash_attn="off", batch_invariant: bool = False) -> "Model":
+         flash_attn="off", batch_invariant: bool = False, draft=None, spec_draft_p_min: float = 0.75) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
@@ -93,11 +93,15 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     use_mmap: True keeps the CPU layers' weights in the file mapping; False copies them into huge-page
     memory (faster decode: edgellm/resident.py); None (default) copies when the machine has
     transparent huge pages and the file takes under half the available memory.
-    spec_type (llama.cpp's --spec-type): "none", or "ngram-simple" (speculative decoding by prompt
+    spec_type (llama.cpp's --spec-type): "none", "ngram-simple" (speculative decoding by prompt
     lookup: the tokens that followed the last earlier occurrence of the latest n-gram are verified
-    in one step; the same tokens as plain decoding, faster on text that repeats its context);
-    spec_draft_n_max / _n_min: the most / fewest tokens proposed in a step; spec_ngram_size_n / _m:
-    the longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m).
+    in one step; the same tokens as plain decoding, faster on text that repeats its context) or
+    "draft-simple" (a draft model's greedy tokens are verified; the default when `draft` is given).
+    draft (-md/--model-draft): a smaller model with the target's vocabulary: a path, a known name
+    or a loaded Model; loaded with the target's n_ctx, n_seq and threads, its own KV cache.
+    spec_draft_n_max / _n_min: the most / fewest tokens proposed in a step; spec_draft_p_min: a
+    draft stops proposing after a token it gives less probability; spec_ngram_size_n / _m: the
+    longest n-gram looked up, the most tokens copied after it (--spec-ngram-simple-size-n/-m).
     flash_attn (llama.cpp's -fa): "off" (default: llama.cpp's KQ / softmax / V^T P graph, what
     llama-cpp-python runs by default), "on" (an f16 cache read as llama.cpp's CPU flash attention
     reads it: the bits of llama.cpp's tools, whose "auto" turns it on for the CPU; a one-token decode
@@ -131,7 +135,17 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
 
     _check_kv_type(kv_type)
     flash_attn = flash_attn_arg(flash_attn, kv_type)
-    spec = spec_params(spec_type, spec_draft_n_max, spec_draft_n_min, spec_ngram_size_n, spec_ngram_size_m)
+    if draft is not None and spec_type == "none":
+        spec_type = "draft-simple"
+    spec = spec_params(spec_type, spec_draft_n_max, spec_draft_n_min, spec_ngram_size_n, spec_ngram_size_m,
+                       spec_draft_p_min)
+    if spec.spec_type == "draft-simple" and draft is None:
+        raise InvalidArgumentError("spec type 'draft-simple' needs a draft model: draft= (-md/--model-draft)")
+    if draft is not None and spec.spec_type != "draft-simple":
+        raise InvalidArgumentError(f"a draft model drafts with spec type 'draft-simple', not {spec.spec_type!r}")
+    if draft is not None and not isinstance(draft, (str, _os.PathLike, Model)):
+        raise InvalidArgumentError(f"draft must be a file path, a known model name or a Model, "
+                                   f"got {type(draft).__name__}")
     if policy not in POLICIES:
         raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if use_mmap is not None and not isinstance(use_mmap, bool):
@@ -143,10 +157,28 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
 
         use_mmap = not want_resident(gf.file_size)
     cfg = ModelConfig.from_gguf(gf)
-    return Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
-                 threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
-                 kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
-                 use_mmap=use_mmap, spec=spec, flash_attn=flash_attn, batch_invariant=bool(batch_invariant))
+    draft_model, owned = draft, False
+    if isinstance(draft, (str, _os.PathLike)):  # loaded first: a draft that fails leaves nothing behind
+        from edgellm.speculative import check_draft
+        from edgellm.tokenizer import Tokenizer
+
+        dgf = GGUFFile(resolve_model(draft, quiet=quiet))
+        check_draft((Tokenizer.from_metadata(gf.metadata), gf), (Tokenizer.from_metadata(dgf.metadata), dgf))
+        draft_model, owned = load(draft, n_ctx=n_ctx, n_batch=n_batch, threads=threads, kv_type=kv_type,
+                                  n_seq=n_seq, kv_size=kv_size, quiet=quiet, use_mmap=use_mmap,
+                                  flash_attn=flash_attn), True
+    try:
+        model = Model(gf, cfg, gpu_layers=gpu_layers, n_ctx=int(n_ctx), n_batch=int(n_batch),
+                      threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
+                      kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
+                      use_mmap=use_mmap, spec=spec, flash_attn=flash_attn, batch_invariant=bool(batch_invariant),
+                      draft=draft_model)
+    except BaseException:
+        if owned:
+            draft_model.close()
+        raise
+    model._owns_draft = owned
+    return model
 
 
 def flash_attn_arg(value, kv_type: str = "f16") -> bool:
@@ -165,17 +197,16 @@ def flash_attn_arg(value, kv_type: str = "f16") -> bool:
     return on
 
 
-def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m):
+def spec_params(spec_type, n_max, n_min, ngram_n, ngram_m, p_min=0.75):
     """load()'s speculative decoding settings as a SpecParams, or an InvalidArgumentError."""
     from edgellm.speculative import SPEC_TYPES, SpecParams
 
     if not isinstance(spec_type, str) or spec_type not in SPEC_TYPES:
         raise InvalidArgumentError(f"spec_type (--spec-type) must be one of {', '.join(SPEC_TYPES)}, "
                                    f"not {spec_type!r}")
-    if spec_type == "draft-simple":
-        raise InvalidArgumentError("spec type 'draft-simple' (a draft model) is not supported yet; "
-                                   "use 'ngram-simple' (prompt lookup)")
-    return SpecParams(spec_type=spec_type,
+    if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0.0 <= p_min <= 1.0:
+        raise InvalidArgumentError(f"spec_draft_p_min (--spec-draft-p-min) must be a number in [0, 1], not {p_min!r}")
+    return SpecParams(spec_type=spec_type, p_min=float(p_min),
                       n_max=_int_arg("the draft length spec_draft_n_max (--spec-draft-n-max)", n_max, 1, 1 << 16),
                       n_min=_int_arg("spec_draft_n_min (--spec-draft-n-min)", n_min, 0, 1 << 16),
                       ngram_n=_int_arg("spec_ngram_size_n (--spec-ngram-simple-size-n)", ngram_n, 1, 1 << 16),
@@ -203,7 +234,8 @@ class _CompileReport:
 class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
-                 use_mmap: bool = True, spec=None, flash_attn: bool = False, batch_invariant: bool = False):
+                 use_mmap: bool = True, spec=None, flash_attn: bool = False, batch_invariant: bool = False,
+                 draft: Model | None = None):
         from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -221,6 +253,12 @@ class Model:
         self.threads = threads
         self.flash_attn = flash_attn
         self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.draft = draft  # the draft model (speculative decoding), checked before any weight is read
+        self._owns_draft = False
+        if draft is not None:
+            from edgellm.speculative import check_draft
+
+            check_draft(self, draft)
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
                               kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size)
         if backends is None:
@@ -237,8 +275,15 @@ class Model:
         if report is not None:
             report.done()
         self._lock = threading.RLock()  # one forward step at a time: the engine's or eval/logits'
+        drafter = None
+        if draft is not None:
+            from edgellm.speculative import DraftModel
+
+            drafter = DraftModel(draft.runtime, n_vocab=self.n_vocab, n_batch=draft.n_batch, n_max=spec.n_max,
+                                 p_min=spec.p_min, lock=draft._lock)
         self.engine = Engine(self.runtime, self.tokenizer, n_seq=n_seq, n_batch=self.n_batch, n_ctx=n_ctx,
-                             policy=policy, lock=self._lock, spec=spec, batch_invariant=batch_invariant)
+                             policy=policy, lock=self._lock, spec=spec, batch_invariant=batch_invariant,
+                             draft=drafter)
         self.stats = Stats(n_ctx=n_ctx)
         self.stats.memory = self.memory()
         from edgellm.grammar import VocabularyCache
@@ -402,8 +447,10 @@ class Model:
         return self.engine.stats()
 
     def close(self) -> None:
-        """Stop the engine thread (requests in flight end)."""
+        """Stop the engine thread (requests in flight end), and a draft model loaded with this one."""
         self.engine.close()
+        if self._owns_draft and self.draft is not None:
+            self.draft.close()
 
     def __enter__(self):
         return self

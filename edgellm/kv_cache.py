@@ -220,6 +220,9 @@ class KVCache:
         self.kv_type = kt
         self.block_size = block_size
         self.n_ctx = n_ctx
+        # tokens a sequence may be cut back by (SeqKV.truncate: a draft model's rejected tokens);
+        # blocks are registered for reuse, and window blocks given back, only behind this margin
+        self.rollback = 0
         windows = [layer_window(cfg, il) for il in range(cfg.n_layer)]
         self.groups: list[KVGroup] = []
         self.group_of: list[int] = []
@@ -419,26 +422,42 @@ class SeqKV:
 
     def commit(self, tokens) -> None:
         """The step wrote `tokens` at positions n_past..: register blocks that became full and give
-        back sliding-window blocks no later query can see."""
+        back sliding-window blocks no later query can see (both behind the cache's rollback margin)."""
         self.tokens.extend(int(t) for t in tokens)
+        self._settle(max(0, self.n_past - self.cache.rollback))
+
+    def _settle(self, n_sure: int) -> None:
+        """Hash the full blocks, register those before position n_sure, give back the window
+        blocks no query at n_sure or later can see."""
         bs = self.cache.block_size
-        n_full = self.n_past // bs
         h = self.hashes[-1] if self.hashes else 0
-        while len(self.hashes) < n_full:
+        while len(self.hashes) < self.n_past // bs:
             i = len(self.hashes)
             h = hash((h, tuple(self.tokens[i * bs:(i + 1) * bs])))
             self.hashes.append(h)
+        n_full = n_sure // bs
         for gi, g in enumerate(self.cache.groups):
             table = self.tables[gi]
             for i in range(self.n_registered, n_full):
                 if table[i] is not None:
                     g.pool.register(table[i], self.hashes[i])
             if g.window > 0:
-                for i in range(self._first_needed_block(g.window, self.n_past)):
+                for i in range(self._first_needed_block(g.window, n_sure)):
                     if table[i] is not None:
                         g.pool.release(table[i])
                         table[i] = None
-        self.n_registered = n_full
+        self.n_registered = max(self.n_registered, n_full)
+
+    def truncate(self, n: int) -> None:
+        """Forget the tokens past the first n (at most the cache's rollback margin) and give back
+        the blocks past them."""
+        if n >= self.n_past:
+            return
+        if n < self.n_past - self.cache.rollback or n < self.n_registered * self.cache.block_size:
+            raise InvalidArgumentError(f"cannot cut a sequence of {self.n_past} tokens back to {n}")
+        del self.tokens[n:]
+        del self.hashes[n // self.cache.block_size:]
+        self.trim()
 
     def trim(self) -> None:
         """Give back the blocks past the last committed token: those grown for speculative tokens
@@ -455,6 +474,8 @@ class SeqKV:
         """Give every block back (full ones stay cached for reuse, and so does the last, partial one:
         a chat's next turn starts with all of this sequence's tokens)."""
         bs = self.cache.block_size
+        if self.cache.rollback:
+            self._settle(self.n_past)  # no cut can come now: every full block may be shared
         n_full = self.n_past // bs
         if self.n_past % bs and n_full == len(self.hashes):
             parent = self.hashes[-1] if self.hashes else 0

@@ -70,11 +70,17 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
     out = {}
     for dev in sorted(set(weights) | set(kv)):
         out[dev] = {"weights": weights.get(dev, 0), "kv_cache": kv.get(dev, 0)}
+    draft = getattr(model, "draft", None)
+    if draft is not None:  # a draft model's weights and KV cache (speculative decoding), its own terms
+        for dev, terms in measured_memory(draft).items():
+            for term in ("weights", "kv_cache"):
+                out.setdefault(dev, {"weights": 0, "kv_cache": 0})[f"draft_{term}"] = terms[term]
     rss = psutil.Process().memory_info().rss
     out["cpu"]["rss"] = rss
-    # activations, interpreter, Numba, tokenizer tables: what the process holds beyond the two
-    # exact terms (mapped weights count once they are paged in)
-    out["cpu"]["other"] = max(0, rss - out["cpu"]["weights"] - out["cpu"]["kv_cache"])
+    # activations, interpreter, Numba, tokenizer tables: what the process holds beyond the exact
+    # terms (mapped weights count once they are paged in)
+    exact = sum(v for k, v in out["cpu"].items() if k in ("weights", "kv_cache", "draft_weights", "draft_kv_cache"))
+    out["cpu"]["other"] = max(0, rss - exact)
     return out
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from edgellm.errors import ContextFullError, InvalidArgumentError, KVCacheFullError
 from edgellm.generate import _END, Request, SeqStream, Stats, logprobs_of, now
-from edgellm.speculative import DraftLength, PromptLookup, SpecParams, verify
+from edgellm.speculative import DraftLength, DraftModel, PromptLookup, SpecParams, verify
 
 POLICIES = ("continuous", "static")
 IDLE_S = 2.0  # the engine thread ends after this long without work
@@ -66,6 +66,7 @@ class SeqState:
         self.decode_steps = 0
         self.device_s: dict[str, float] = {}
         self.lookup: PromptLookup | None = None  # speculative decoding: the sequence's n-grams
+        self.dkv = None  # ... or its sequence in the draft model's cache
         self.draft: DraftLength | None = None  # ... and how many tokens to propose
         self.proposal: list[int] = []  # tokens proposed for the step being run
         self.idle_steps = 0  # steps in a row with a proposal found but none chosen
@@ -77,13 +78,15 @@ class SeqState:
 
 class Engine:
     def __init__(self, runtime, tokenizer, *, n_seq: int, n_batch: int, n_ctx: int, policy: str = "continuous",
-                 lock: threading.RLock | None = None, spec: SpecParams | None = None, batch_invariant: bool = False):
+                 lock: threading.RLock | None = None, spec: SpecParams | None = None, batch_invariant: bool = False,
+                 draft: DraftModel | None = None):
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-        if spec is not None and spec.spec_type == "draft-simple":
-            raise InvalidArgumentError("spec type 'draft-simple' (a draft model) is not supported yet; "
-                                       "use 'ngram-simple' (prompt lookup)")
-        self.spec = spec if spec is not None and spec.spec_type == "ngram-simple" else None
+        if spec is not None and (spec.spec_type == "draft-simple") != (draft is not None):
+            raise InvalidArgumentError("spec type 'draft-simple' needs a draft model (--model-draft), and a draft "
+                                       "model needs spec type 'draft-simple'")
+        self.spec = spec if spec is not None and spec.spec_type != "none" else None
+        self.draft_model = draft if self.spec is not None else None
         # rows a verification step may hold: the whole step must stay in the one-token order
         self.spec_rows = runtime.exact_decode_rows() if self.spec is not None else 1
         self._step_s: dict = {}  # tokens in a lone sequence's step -> EWMA seconds (DraftLength.step_s)
@@ -128,9 +131,12 @@ class Engine:
         state = SeqState(ids, sampler, stream, logprobs, Stats(prompt_tokens=len(ids), n_ctx=self.n_ctx))
         state.cache_prompt = cache_prompt
         if self.spec is not None and self.spec_rows > 1:
-            state.lookup = PromptLookup(self.spec.ngram_n, self.spec.ngram_m)
-            state.lookup.extend(ids)
-            state.draft = DraftLength(self.spec.n_max, self.spec.n_min, step_s=self._step_s)
+            dm = self.draft_model
+            if dm is None:
+                state.lookup = PromptLookup(self.spec.ngram_n, self.spec.ngram_m)
+                state.lookup.extend(ids)
+            state.draft = DraftLength(self.spec.n_max, self.spec.n_min, step_s=self._step_s,
+                                      draft_s=dm.step_s if dm else {}, drafting=dm is not None)
         req = state.request = Request(self, state)
         with self._cv:
             self.waiting.append(state)
@@ -253,6 +259,9 @@ class Engine:
         if s.kv is not None:
             s.kv.free()
             s.kv = None
+        if s.dkv is not None:
+            self.draft_model.release(s.dkv)
+            s.dkv = None
 
     def _drop_cancelled(self) -> None:
         with self._cv:
@@ -364,23 +373,31 @@ class Engine:
         return singles + chunks
 
     def _proposal(self, s: SeqState) -> list[int]:
-        """Tokens to verify after s's next token this step: prompt lookup's, as many as DraftLength
-        chooses; none unless s runs alone (nothing else running or waiting)."""
-        if s.lookup is None:
+        """Tokens to verify after s's next token this step: prompt lookup's or the draft model's, as
+        many as DraftLength chooses; none unless s runs alone (nothing else running or waiting)."""
+        if s.draft is None:
             return []
         with self._cv:
             if len(self.running) != 1 or self.waiting:
                 return []
         room = min(self.spec_rows, self.n_batch, self.n_ctx - s.kv.n_past, s.stream.max_tokens - s.stream.n) - 1
+        room = min(room, self.spec.n_max)
         if room <= 0:
             return []
-        found = s.lookup.propose(min(room, self.spec.n_max))
-        k = s.draft.choose(len(found))
-        if found and not k:  # stood down: now and then verify anyway, so acceptance and cost stay current
+        available = len(s.lookup.propose(room)) if s.lookup is not None else room
+        k = s.draft.choose(available)
+        if available and not k:  # stood down: now and then verify anyway, so acceptance and cost stay current
             s.idle_steps += 1
-            if s.idle_steps >= PROBE_EVERY and len(found) >= max(self.spec.n_min, 1):
-                s.idle_steps, k = 0, len(found)
-        return found[:k]
+            if s.idle_steps >= PROBE_EVERY and available >= max(self.spec.n_min, 1):
+                s.idle_steps, k = 0, available
+        if not k:
+            return []
+        if s.lookup is not None:
+            return s.lookup.propose(k)
+        if s.dkv is None:
+            s.dkv = self.draft_model.new_sequence()
+        found = self.draft_model.propose(s.dkv, s.prompt[:s.n_done] + [s.next_token], k)
+        return found if len(found) >= self.spec.n_min else []
 
     def step(self) -> None:
         self._drop_cancelled()

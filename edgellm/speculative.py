@@ -117,6 +117,8 @@ class DraftLength:
     rate: float = 0.7  # prior acceptance per proposed token
     decay: float = 0.9
     step_s: dict = field(default_factory=dict)  # tokens in a step -> EWMA seconds
+    draft_s: dict = field(default_factory=dict)  # a draft model's one-token step: {1: EWMA seconds}
+    drafting: bool = False  # proposals cost a draft model's steps (prior: 0.3 of a target step each)
     proposed: int = 0
     accepted: int = 0
 
@@ -150,10 +152,14 @@ class DraftLength:
     def choose(self, available: int) -> int:
         """The draft length for the next step, given `available` proposed tokens (0..n_max)."""
         best_k, best = 0, 1.0
+        if self.drafting and 1 not in self.step_s:  # a plain step's cost first: a draft's steps cost too
+            return 0
         a = min(max(self.rate, 0.0), 0.999)
+        one, drafted = self.step_s.get(1), self.draft_s.get(1)
+        per_draft = drafted / one if one and drafted else (0.3 if self.drafting else 0.0)
         for k in range(max(self.n_min, 1), min(self.n_max, available) + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)  # kept tokens, the target's own included
-            gain = expected / self.cost(k + 1)
+            gain = expected / (self.cost(k + 1) + k * per_draft)
             if gain > best * 1.03:  # a margin: speculation must pay for itself clearly
                 best_k, best = k, gain
         if best_k and best_k < self.n_min:
@@ -163,3 +169,100 @@ class DraftLength:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.proposed if self.proposed else math.nan
+
+
+# --- a draft model: can it draft for the target? -------------------------------------------------
+VOCAB_MAX_SIZE_DIFF = 128  # llama.cpp's bound on the two vocabularies' sizes
+VOCAB_CHECK_START = 5  # ... and the first id whose text it compares
+
+
+def check_draft(target, draft) -> None:
+    """A clear error unless `draft` can draft for `target` (each a Model, or a (tokenizer, GGUFFile)
+    pair, checked before the weights are read): the same tokenizer, the same special tokens and
+    token texts (llama.cpp's checks), and a smaller file."""
+    (tt, tgf), (dt, dgf) = [(m.tokenizer, m.gf) if hasattr(m, "tokenizer") else m for m in (target, draft)]
+    name = f"the draft model {dgf.path}"
+    if tt.kind != dt.kind:
+        raise InvalidArgumentError(f"{name} has a {dt.kind} tokenizer, the target a {tt.kind} one: "
+                                   "a draft needs the target's vocabulary")
+    for what in ("bos_id", "eos_id", "add_bos"):
+        if getattr(tt, what) != getattr(dt, what):
+            raise InvalidArgumentError(f"{name}'s {what} is {getattr(dt, what)}, the target's "
+                                       f"{getattr(tt, what)}: a draft needs the target's vocabulary")
+    if abs(tt.n_vocab - dt.n_vocab) > VOCAB_MAX_SIZE_DIFF:
+        raise InvalidArgumentError(f"{name} has {dt.n_vocab} tokens, the target {tt.n_vocab}: "
+                                   "a draft needs the target's vocabulary")
+    for i in range(VOCAB_CHECK_START, min(tt.n_vocab, dt.n_vocab)):
+        if tt._tokens[i] != dt._tokens[i]:
+            raise InvalidArgumentError(f"{name}'s token {i} is {dt._tokens[i]!r}, the target's "
+                                       f"{tt._tokens[i]!r}: a draft needs the target's vocabulary")
+    if dgf.file_size > tgf.file_size:
+        raise InvalidArgumentError(f"{name} ({dgf.file_size / 2**20:.0f} MiB) is larger than the target "
+                                   f"({tgf.file_size / 2**20:.0f} MiB): the draft must be the smaller model")
+
+
+# --- a draft model ----------------------------------------------------------------------------------
+class DraftModel:
+    """A smaller model with the target's vocabulary, proposing its greedy tokens. Each target
+    sequence has a sequence in the draft's own KV cache, holding a prefix of the target's tokens;
+    tokens the target rejects are cut back (the draft cache's rollback margin)."""
+
+    def __init__(self, runtime, *, n_vocab: int, n_batch: int, n_max: int, p_min: float, lock=None):
+        import threading
+
+        self.runtime = runtime
+        self.n_vocab = n_vocab  # proposals are target ids: the draft's extra rows are never proposed
+        self.n_batch = n_batch
+        self.p_min = p_min
+        self.lock = lock or threading.RLock()
+        runtime.cache.rollback = n_max + 1
+        self.step_s: dict = {}  # {1: EWMA seconds of a one-token draft step} (DraftLength.draft_s)
+
+    def new_sequence(self):
+        return self.runtime.cache.new_sequence()
+
+    def propose(self, dkv, tokens: list[int], k: int) -> list[int]:
+        """Up to k greedy draft tokens after `tokens` (the target's sequence and its next token),
+        stopping after one the draft gives less than p_min; [] when the draft cache is short."""
+        import time
+
+        import numpy as np
+
+        with self.lock:
+            n = 0
+            while n < min(dkv.n_past, len(tokens)) and dkv.tokens[n] == tokens[n]:
+                n += 1
+            if dkv.n_past == 0:  # a new sequence: the draft cache's longest cached prefix (a chat's turns)
+                dkv.reuse_prefix(tokens)
+            elif n < dkv.n_past:
+                try:
+                    dkv.truncate(n)
+                except InvalidArgumentError:  # beyond the margin (a preemption): start over
+                    dkv.free()
+                    dkv.reuse_prefix(tokens)
+            rest = tokens[dkv.n_past:]
+            logits = None
+            for c in range(0, len(rest), self.n_batch):
+                chunk = rest[c:c + self.n_batch]
+                if not dkv.grow(len(chunk)):
+                    return []
+                logits = self.runtime.forward([(dkv, np.asarray(chunk, np.int64))], rows=[len(chunk) - 1])
+            if logits is None:  # the draft holds every token already (cannot happen: the last is new)
+                return []
+            out: list[int] = []
+            while True:
+                row = logits[-1, :self.n_vocab].astype(np.float64)
+                tok = int(np.argmax(row))
+                p = 1.0 / float(np.sum(np.exp(row - row[tok])))
+                out.append(tok)
+                if len(out) >= k or p < self.p_min or not dkv.grow(1):
+                    return out
+                t0 = time.perf_counter()
+                logits = self.runtime.forward([(dkv, np.asarray([tok], np.int64))], rows=[0])
+                dt = time.perf_counter() - t0
+                old = self.step_s.get(1)
+                self.step_s[1] = dt if old is None else 0.8 * old + 0.2 * dt
+
+    def release(self, dkv) -> None:
+        with self.lock:
+            dkv.free()

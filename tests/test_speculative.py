@@ -247,7 +247,7 @@ def test_the_exact_row_cap_follows_the_weight_types(models):
     ({"spec_draft_n_max": 0}, "spec_draft_n_max"), ({"spec_draft_n_max": -3}, "spec_draft_n_max"),
     ({"spec_draft_n_max": "8"}, "spec_draft_n_max"), ({"spec_type": "eagle"}, "spec_type"),
     ({"spec_draft_n_min": 9, "spec_draft_n_max": 4}, "n-min"), ({"spec_ngram_size_n": 0}, "size_n"),
-    ({"spec_type": "draft-simple"}, "not supported yet")])
+    ({"spec_type": "draft-simple"}, "needs a draft model")])
 def test_bad_load_settings_are_one_clear_error(kw, words):
     kw = {"spec_type": "ngram-simple", **kw}
     with pytest.raises(InvalidArgumentError, match=words):

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help=f"longest answer in tokens (default {DEFAULT_MAX_TOKENS}; editable in the app)")
     parser.add_argument("--system", default="", metavar="TEXT", help="system prompt (editable in the app)")
+    from edgellm.commands.run import add_spec_arguments
+
+    add_spec_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="reopen the last kept chat")
     parser.add_argument("--no-history", action="store_true",
                         help="keep no chats (by default every chat is kept in the user data dir)")
@@ -120,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     # loading screen.
     if hasattr(args, "kv_type_k"):
         args.kv_type = kv_type_of(args)
+    from edgellm.commands.run import spec_kwargs
+
+    spec = spec_kwargs(args)
     path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers,
                                         kv_type=getattr(args, "kv_type", None) or "f16", background=True)
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads,
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, option in (("batch", "n_batch"), ("vram", "vram"), ("kv_type", "kv_type")):   # `run` has these
         if getattr(args, flag, None) is not None:
             load_options[option] = getattr(args, flag)
+    load_options.update(spec)
 
     def load():
         return edgellm.load(path, **load_options)

@@ -67,14 +67,19 @@ def grammar_kwargs(args) -> dict:
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """Speculative decoding, with llama.cpp's flag names."""
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec-type", default="none", metavar="TYPE",
-                   help="none (default) or ngram-simple: verify the tokens that followed the latest earlier "
-                        "occurrence of the last n-gram (prompt lookup), the same answer, faster on text that "
-                        "repeats its context")
-    g.add_argument("--spec-draft-n-max", type=int, default=16, metavar="N",
+    g.add_argument("-md", "--model-draft", default=None, metavar="FILE|NAME",
+                   help="a smaller model with the same vocabulary whose greedy tokens are verified "
+                        "(spec type draft-simple); the same answer")
+    g.add_argument("--spec-type", default=None, metavar="TYPE",
+                   help="none (default), draft-simple (the default with -md) or ngram-simple: verify the tokens "
+                        "that followed the latest earlier occurrence of the last n-gram (prompt lookup), the same "
+                        "answer, faster on text that repeats its context")
+    g.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", type=int, default=16, metavar="N",
                    help="the most tokens proposed in a step (default 16)")
-    g.add_argument("--spec-draft-n-min", type=int, default=0, metavar="N",
+    g.add_argument("--spec-draft-n-min", "--draft-min", "--draft-n-min", type=int, default=0, metavar="N",
                    help="a shorter proposal is not verified (default 0)")
+    g.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.75, metavar="P",
+                   help="a draft model stops proposing after a token it gives less probability (default 0.75)")
     g.add_argument("--spec-ngram-simple-size-n", type=int, default=3, metavar="N",
                    help="the longest n-gram looked up (default 3)")
     g.add_argument("--spec-ngram-simple-size-m", type=int, default=16, metavar="N",
@@ -84,13 +89,21 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 def spec_kwargs(args) -> dict:
     """load()'s speculative decoding arguments from the flags (checked: a bad value is an error now)."""
     from edgellm.api import spec_params
+    from edgellm.errors import InvalidArgumentError
 
-    kw = dict(spec_type=getattr(args, "spec_type", "none"), spec_draft_n_max=getattr(args, "spec_draft_n_max", 16),
+    draft = getattr(args, "model_draft", None)
+    spec_type = getattr(args, "spec_type", None) or ("draft-simple" if draft else "none")
+    kw = dict(spec_type=spec_type, spec_draft_n_max=getattr(args, "spec_draft_n_max", 16),
               spec_draft_n_min=getattr(args, "spec_draft_n_min", 0),
               spec_ngram_size_n=getattr(args, "spec_ngram_simple_size_n", 3),
-              spec_ngram_size_m=getattr(args, "spec_ngram_simple_size_m", 16))
+              spec_ngram_size_m=getattr(args, "spec_ngram_simple_size_m", 16),
+              spec_draft_p_min=getattr(args, "spec_draft_p_min", 0.75))
     spec_params(*kw.values())
-    return kw
+    if spec_type == "draft-simple" and not draft:
+        raise InvalidArgumentError("--spec-type draft-simple needs a draft model: -md/--model-draft FILE")
+    if draft and spec_type != "draft-simple":
+        raise InvalidArgumentError(f"-md/--model-draft drafts with --spec-type draft-simple, not {spec_type}")
+    return {**kw, "draft": draft} if draft else kw
 
 
 def run(args) -> int:
@@ -190,3 +203,6 @@ def print_plan(model, f) -> None:
         print(f"  {dev}: weights est {format_size(ledger.weights)} / measured {format_size(m.get('weights', 0))}; "
               f"kv est {format_size(ledger.kv_cache)} / measured {format_size(m.get('kv_cache', 0))}; "
               f"activations est {format_size(ledger.activations)}; runtime est {format_size(ledger.runtime)}", file=f)
+        if "draft_weights" in m:
+            print(f"  {dev}: draft model weights {format_size(m['draft_weights'])}; "
+                  f"draft kv {format_size(m['draft_kv_cache'])}", file=f)

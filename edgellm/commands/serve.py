@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every request gets the tokens it gets alone, whatever else runs (slower with 8+ "
                         "sequences of a K-quant file)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    from edgellm.commands.run import add_spec_arguments
+
+    add_spec_arguments(p)
 
 
 def _check(args) -> None:
@@ -55,6 +58,9 @@ def _check(args) -> None:
             raise InvalidArgumentError(f"{flag} must be >= {lo}, got {v}")
     if args.port > 65535:
         raise InvalidArgumentError(f"--port must be <= 65535, got {args.port}")
+    from edgellm.commands.run import spec_kwargs
+
+    args.spec = spec_kwargs(args)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -121,7 +127,7 @@ def run(args) -> int:
         return edgellm.load(path, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch,
                             threads=args.threads, vram=args.vram, kv_type=args.cache_type_k, n_seq=args.parallel,
                             kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
-                            batch_invariant=args.batch_invariant)
+                            batch_invariant=args.batch_invariant, **args.spec)
 
     engine = Engine(load, queue=args.queue)
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)

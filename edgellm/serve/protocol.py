@@ -349,7 +349,7 @@ def timings(stats) -> dict:
             "predicted_n": stats.gen_tokens, "predicted_ms": stats.gen_ms,
             "predicted_per_token_ms": stats.gen_ms / stats.gen_tokens if stats.gen_tokens else 0.0,
             "predicted_per_second": 1000 * stats.gen_tokens / stats.gen_ms if stats.gen_ms else 0.0,
-            "ttft_ms": 1000 * stats.ttft_s}
+            "ttft_ms": 1000 * stats.ttft_s, "draft_n": stats.draft_n, "draft_n_accepted": stats.draft_n_accepted}
 
 
 def _token_entry(text: str, lp: float) -> dict:

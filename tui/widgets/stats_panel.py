@@ -201,6 +201,10 @@ class StatsPanel(VerticalScroll):
 
 def _ledger_segments(terms: dict[str, int]) -> dict[str, int]:
     """Ledger terms of one device → the bar's three segments: weights, KV cache, and every other
-    term (activations, runtime, ...) as "other". A process total ("rss") is not a term."""
-    other = sum(int(v) for k, v in terms.items() if k not in ("weights", "kv_cache", "rss"))
-    return {"weights": int(terms.get("weights", 0)), "kv_cache": int(terms.get("kv_cache", 0)), "other": other}
+    term (activations, runtime, ...) as "other". A process total ("rss") is not a term; a draft
+    model's weights and KV cache join the target's."""
+    weights = int(terms.get("weights", 0)) + int(terms.get("draft_weights", 0))
+    kv = int(terms.get("kv_cache", 0)) + int(terms.get("draft_kv_cache", 0))
+    other = sum(int(v) for k, v in terms.items()
+                if k not in ("weights", "kv_cache", "draft_weights", "draft_kv_cache", "rss"))
+    return {"weights": weights, "kv_cache": kv, "other": other}
