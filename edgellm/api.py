@@ -281,6 +281,7 @@ class Model:
 
             drafter = DraftModel(draft.runtime, n_vocab=self.n_vocab, n_batch=draft.n_batch, n_max=spec.n_max,
                                  p_min=spec.p_min, lock=draft._lock)
+            drafter.size_ratio = draft.gf.file_size / gf.file_size
         self.engine = Engine(self.runtime, self.tokenizer, n_seq=n_seq, n_batch=self.n_batch, n_ctx=n_ctx,
                              policy=policy, lock=self._lock, spec=spec, batch_invariant=batch_invariant,
                              draft=drafter)

@@ -36,7 +36,8 @@ from edgellm.speculative import DraftLength, DraftModel, PromptLookup, SpecParam
 
 POLICIES = ("continuous", "static")
 IDLE_S = 2.0  # the engine thread ends after this long without work
-PROBE_EVERY = 16  # a sequence whose draft length is 0 still verifies a proposal once in this many steps
+PROBE_EVERY = 16  # a sequence whose draft length is 0 still verifies a proposal once in this many steps,
+PROBE_MAX = 256  # ... twice as many after each probe that did not bring speculation back, up to this
 HANDOFF_S = 0.05  # the engine thread leaves the steps to a caller that ran one this recently
 
 
@@ -70,6 +71,7 @@ class SeqState:
         self.draft: DraftLength | None = None  # ... and how many tokens to propose
         self.proposal: list[int] = []  # tokens proposed for the step being run
         self.idle_steps = 0  # steps in a row with a proposal found but none chosen
+        self.probe_every = PROBE_EVERY
 
     @property
     def prefilling(self) -> bool:
@@ -136,7 +138,8 @@ class Engine:
                 state.lookup = PromptLookup(self.spec.ngram_n, self.spec.ngram_m)
                 state.lookup.extend(ids)
             state.draft = DraftLength(self.spec.n_max, self.spec.n_min, step_s=self._step_s,
-                                      draft_s=dm.step_s if dm else {}, drafting=dm is not None)
+                                      draft_s=dm.step_s if dm else {}, drafting=dm is not None,
+                                      draft_prior=dm.size_ratio if dm else 0.0)
         req = state.request = Request(self, state)
         with self._cv:
             self.waiting.append(state)
@@ -388,8 +391,12 @@ class Engine:
         k = s.draft.choose(available)
         if available and not k:  # stood down: now and then verify anyway, so acceptance and cost stay current
             s.idle_steps += 1
-            if s.idle_steps >= PROBE_EVERY and available >= max(self.spec.n_min, 1):
+            if (s.idle_steps >= s.probe_every and available >= max(self.spec.n_min, 1)
+                    and s.draft.could_pay(available)):
                 s.idle_steps, k = 0, available
+                s.probe_every = min(2 * s.probe_every, PROBE_MAX)
+        elif k:
+            s.probe_every = PROBE_EVERY
         if not k:
             return []
         if s.lookup is not None:

@@ -118,7 +118,8 @@ class DraftLength:
     decay: float = 0.9
     step_s: dict = field(default_factory=dict)  # tokens in a step -> EWMA seconds
     draft_s: dict = field(default_factory=dict)  # a draft model's one-token step: {1: EWMA seconds}
-    drafting: bool = False  # proposals cost a draft model's steps (prior: 0.3 of a target step each)
+    drafting: bool = False  # proposals cost a draft model's steps
+    draft_prior: float = 0.3  # a draft step in target steps until one is measured (the size ratio)
     proposed: int = 0
     accepted: int = 0
 
@@ -141,22 +142,23 @@ class DraftLength:
         """A step of n_tokens in units of a one-token step (interpolated; assumed flat when unknown:
         on a bandwidth-bound CPU a few more rows cost little next to reading the weights)."""
         one = self.step_s.get(1)
-        if not one or max(self.step_s) == 1:  # no larger step measured yet: the prior
-            return 1.0 + 0.05 * (n_tokens - 1)
+        if not one or max(self.step_s) == 1:  # no larger step measured yet: the prior (a draft's
+            return 1.0 + (0.25 if self.drafting else 0.05) * (n_tokens - 1)  # tokens are dearer to try)
         known = sorted(k for k in self.step_s if k >= n_tokens)
         if known:
             return self.step_s[known[0]] / one
         top = max(self.step_s)
         return self.step_s[top] / one * n_tokens / top
 
-    def choose(self, available: int) -> int:
-        """The draft length for the next step, given `available` proposed tokens (0..n_max)."""
+    def choose(self, available: int, rate: float | None = None) -> int:
+        """The draft length for the next step, given `available` proposed tokens (0..n_max), at the
+        running acceptance rate (or `rate`)."""
         best_k, best = 0, 1.0
         if self.drafting and 1 not in self.step_s:  # a plain step's cost first: a draft's steps cost too
             return 0
-        a = min(max(self.rate, 0.0), 0.999)
+        a = min(max(self.rate if rate is None else rate, 0.0), 0.999)
         one, drafted = self.step_s.get(1), self.draft_s.get(1)
-        per_draft = drafted / one if one and drafted else (0.3 if self.drafting else 0.0)
+        per_draft = drafted / one if one and drafted else (self.draft_prior if self.drafting else 0.0)
         for k in range(max(self.n_min, 1), min(self.n_max, available) + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)  # kept tokens, the target's own included
             gain = expected / (self.cost(k + 1) + k * per_draft)
@@ -165,6 +167,11 @@ class DraftLength:
         if best_k and best_k < self.n_min:
             return 0
         return best_k
+
+    def could_pay(self, available: int) -> bool:
+        """Whether any draft length would pay were every proposed token kept: when not, at the
+        measured costs, no acceptance rate can bring speculation back (a probe is wasted)."""
+        return self.choose(available, rate=1.0) > 0
 
     @property
     def acceptance(self) -> float:
@@ -216,7 +223,9 @@ class DraftModel:
         self.p_min = p_min
         self.lock = lock or threading.RLock()
         runtime.cache.rollback = n_max + 1
-        self.step_s: dict = {}  # {1: EWMA seconds of a one-token draft step} (DraftLength.draft_s)
+        self.step_s: dict = {}  # {1: EWMA seconds per proposed token} (DraftLength.draft_s)
+        self._rest = 0  # tokens the last proposal caught up on
+        self.size_ratio = 0.3  # draft / target weight bytes (set by the target): a draft step's prior cost
 
     def new_sequence(self):
         return self.runtime.cache.new_sequence()
@@ -226,42 +235,48 @@ class DraftModel:
         stopping after one the draft gives less than p_min; [] when the draft cache is short."""
         import time
 
+        t0 = time.perf_counter()
+        with self.lock:
+            out = self._propose(dkv, tokens, k)
+        if out and self._rest <= 2:  # a proposed token's cost, the steady catch-up (the target's last
+            per = (time.perf_counter() - t0) / len(out)
+            old = self.step_s.get(1)
+            self.step_s[1] = per if old is None else 0.8 * old + 0.2 * per  # tokens) included
+        return out
+
+    def _propose(self, dkv, tokens, k):
         import numpy as np
 
-        with self.lock:
-            n = 0
-            while n < min(dkv.n_past, len(tokens)) and dkv.tokens[n] == tokens[n]:
-                n += 1
-            if dkv.n_past == 0:  # a new sequence: the draft cache's longest cached prefix (a chat's turns)
+        n = 0
+        while n < min(dkv.n_past, len(tokens)) and dkv.tokens[n] == tokens[n]:
+            n += 1
+        if dkv.n_past == 0:  # a new sequence: the draft cache's longest cached prefix (a chat's turns)
+            dkv.reuse_prefix(tokens)
+        elif n < dkv.n_past:
+            try:
+                dkv.truncate(n)
+            except InvalidArgumentError:  # beyond the margin (a preemption): start over
+                dkv.free()
                 dkv.reuse_prefix(tokens)
-            elif n < dkv.n_past:
-                try:
-                    dkv.truncate(n)
-                except InvalidArgumentError:  # beyond the margin (a preemption): start over
-                    dkv.free()
-                    dkv.reuse_prefix(tokens)
-            rest = tokens[dkv.n_past:]
-            logits = None
-            for c in range(0, len(rest), self.n_batch):
-                chunk = rest[c:c + self.n_batch]
-                if not dkv.grow(len(chunk)):
-                    return []
-                logits = self.runtime.forward([(dkv, np.asarray(chunk, np.int64))], rows=[len(chunk) - 1])
-            if logits is None:  # the draft holds every token already (cannot happen: the last is new)
+        rest = tokens[dkv.n_past:]
+        self._rest = len(rest)
+        logits = None
+        for c in range(0, len(rest), self.n_batch):
+            chunk = rest[c:c + self.n_batch]
+            if not dkv.grow(len(chunk)):
                 return []
-            out: list[int] = []
-            while True:
-                row = logits[-1, :self.n_vocab].astype(np.float64)
-                tok = int(np.argmax(row))
-                p = 1.0 / float(np.sum(np.exp(row - row[tok])))
-                out.append(tok)
-                if len(out) >= k or p < self.p_min or not dkv.grow(1):
-                    return out
-                t0 = time.perf_counter()
-                logits = self.runtime.forward([(dkv, np.asarray([tok], np.int64))], rows=[0])
-                dt = time.perf_counter() - t0
-                old = self.step_s.get(1)
-                self.step_s[1] = dt if old is None else 0.8 * old + 0.2 * dt
+            logits = self.runtime.forward([(dkv, np.asarray(chunk, np.int64))], rows=[len(chunk) - 1])
+        if logits is None:  # the draft holds every token already (cannot happen: the last is new)
+            return []
+        out: list[int] = []
+        while True:
+            row = logits[-1, :self.n_vocab].astype(np.float64)
+            tok = int(np.argmax(row))
+            p = 1.0 / float(np.sum(np.exp(row - row[tok])))
+            out.append(tok)
+            if len(out) >= k or p < self.p_min or not dkv.grow(1):
+                return out
+            logits = self.runtime.forward([(dkv, np.asarray([tok], np.int64))], rows=[0])
 
     def release(self, dkv) -> None:
         with self.lock:

@@ -193,8 +193,19 @@ def test_draft_length_waits_for_a_plain_steps_cost():
         d.record_step(n, 0.030 + 0.001 * n)
     d.draft_s[1] = 0.003
     assert d.choose(8) == 8
-    d.draft_s[1] = 0.030  # a draft as slow as the target: never pays
-    assert d.choose(8) == 0
+    assert d.could_pay(8)
+    d.draft_s[1] = 0.030  # a draft as slow as the target: never pays, whatever it would keep
+    assert d.choose(8) == 0 and not d.could_pay(8)
+
+
+def test_a_draft_that_cannot_pay_is_never_run(pair):
+    """SmolLM2 drafting for itself: a draft step costs a target step, so no acceptance rate could
+    pay for it; the engine does not draft (nor probe) and the answer is the plain one."""
+    plain, spec = pair
+    p = plain.render_chat([{"role": "user", "content": "Write a short story about a red kite."}])
+    want = [c.token for c in plain.generate(p, max_tokens=64, temperature=0)]
+    assert [c.token for c in spec.generate(p, max_tokens=64, temperature=0)] == want
+    assert spec.stats.draft_n == 0
 
 
 # --- bad drafts ---------------------------------------------------------------------------------------

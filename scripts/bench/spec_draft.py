@@ -1,5 +1,6 @@
 """Plain decoding vs a draft model (spec type draft-simple) on code-writing prompts: the answers
-checked equal token for token (greedy), decode tokens/s of each, proposed / accepted tokens.
+checked equal token for token (greedy, each prompt evaluated afresh: a cached prefix changes the
+batch its last tokens are evaluated in), decode tokens/s of each, proposed / accepted tokens.
 Modes: "adaptive" (the engine stands down where drafting does not pay) and "forced" (every step
 drafts as many tokens as the verification step holds). Usage:
     python scripts/bench/spec_draft.py [TARGET] [DRAFT] [--threads 2] [--tokens 128] [--prompts 20]
@@ -44,7 +45,7 @@ def main() -> None:
             m = plain if mode == "plain" else spec
             scheduler.DraftLength.choose = (lambda self, n: n) if mode == "forced" else choose
             t = time.perf_counter()
-            toks = [c.token for c in m.generate(p, max_tokens=a.tokens, temperature=0)]
+            toks = [c.token for c in m.generate(p, max_tokens=a.tokens, temperature=0, cache_prompt=False)]
             wall = time.perf_counter() - t
             want = toks if want is None else want
             assert toks == want, f"prompt {i}: the {mode} answer differs from the plain one"
