@@ -170,6 +170,22 @@ def test_matmul_matches_ggml_product(t):
             assert np.all(err <= bound), f"{t.name} n_tok={n_tok} row {i}: {np.max(err / bound):.2f}"
 
 
+@pytest.mark.parametrize("t", [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_small_batches_are_the_one_token_products_bit_for_bit(t):
+    """2..7 tokens (under the tiled kernel's 8): each token's outputs are its matvec's bits (the
+    one-token order), from one pass over the rows."""
+    rng = np.random.default_rng(11)
+    raw = random_rows(t, 41, 1536, seed=12)
+    for n_tok in range(2, 8):
+        x = rng.standard_normal((n_tok, 1536)).astype(np.float32)
+        out = np.full((n_tok, 41), np.nan, np.float32)
+        cpu.matmul(t, raw, x, out)
+        for i in range(n_tok):
+            one = np.full(41, np.nan, np.float32)
+            cpu.matvec(t, raw, x[i], one)
+            assert np.array_equal(out[i].view(np.uint32), one.view(np.uint32)), (t.name, n_tok, i)
+
+
 def test_matmul_spans_several_tiles(monkeypatch):
     monkeypatch.setattr(cpu, "_TILE_WEIGHTS", 256 * 2048)
     t = GGMLType.Q4_0

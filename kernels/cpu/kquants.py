@@ -578,6 +578,50 @@ def _batch_product(kind, ggml_type, below=None):
     return matmul
 
 
-MATMUL = {GGMLType.Q2_K: _batch_product(2, GGMLType.Q2_K), GGMLType.Q3_K: _batch_product(3, GGMLType.Q3_K),
+# --- batches under TILED_MIN tokens: the one-token order, each row read once for all tokens --------
+# (a 7-row verification step read a 151936-row head seven times from memory token by token)
+@njit(**JIT)
+def rows_q2_k(raw, xq, xd, xs, xm, out):
+    n_tok, n = out.shape[0], raw.shape[0]
+    nb = U(xd.size // n_tok)
+    for c in prange((n + 15) // 16):
+        for t in range(n_tok):
+            for r in range(c * 16, min(c * 16 + 16, n)):
+                out[t, r] = rowdot_q2_k(raw[r], U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb)
+
+
+@njit(**JIT)
+def rows_q3_k(raw, xq, xd, xs, xm, out):
+    n_tok, n = out.shape[0], raw.shape[0]
+    nb = U(xd.size // n_tok)
+    for c in prange((n + 15) // 16):
+        for t in range(n_tok):
+            for r in range(c * 16, min(c * 16 + 16, n)):
+                out[t, r] = rowdot_q3_k(raw[r], U(0), xq, U(t) * nb * U(QK_K), xd, U(t) * nb, nb)
+
+
+@njit(**JIT)
+def rows_q5_k(raw, xq, xd, xs, xm, out):
+    n_tok, n = out.shape[0], raw.shape[0]
+    nb = U(xd.size // n_tok)
+    for c in prange((n + 15) // 16):
+        for t in range(n_tok):
+            for r in range(c * 16, min(c * 16 + 16, n)):
+                out[t, r] = rowdot_q5_k(raw[r], U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb)
+
+
+@njit(**JIT)
+def rows_q6_k(raw, xq, xd, xs, xm, out):
+    n_tok, n = out.shape[0], raw.shape[0]
+    nb = U(xd.size // n_tok)
+    for c in prange((n + 15) // 16):
+        for t in range(n_tok):
+            for r in range(c * 16, min(c * 16 + 16, n)):
+                out[t, r] = rowdot_q6_k(raw[r], U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb)
+
+
+MATMUL = {GGMLType.Q2_K: _batch_product(2, GGMLType.Q2_K, rows_q2_k),
+          GGMLType.Q3_K: _batch_product(3, GGMLType.Q3_K, rows_q3_k),
           GGMLType.Q4_K: _batch_product(4, GGMLType.Q4_K, matmul_q4_k),
-          GGMLType.Q5_K: _batch_product(5, GGMLType.Q5_K), GGMLType.Q6_K: _batch_product(6, GGMLType.Q6_K)}
+          GGMLType.Q5_K: _batch_product(5, GGMLType.Q5_K, rows_q5_k),
+          GGMLType.Q6_K: _batch_product(6, GGMLType.Q6_K, rows_q6_k)}
