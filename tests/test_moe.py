@@ -202,3 +202,32 @@ def test_the_fused_expert_decode_is_the_products_one_by_one(tmp_path, monkeypatc
     monkeypatch.setattr(CPUBackend, "moe_decode", lambda self, *a: False)
     with edgellm.load(path, n_ctx=64) as m:
         assert [c.token for c in m.generate([1, 45, 120, 7], **kw)] == tokens
+
+
+def test_q6_k_down_experts_in_the_fused_decode_are_the_products_one_by_one(tmp_path, monkeypatch):
+    """A Q4_K_M-style file (Q6_K down experts): the down rows of the chosen experts in one parallel
+    kernel over every expert's rows in one array give the bits of the products one expert at a
+    time (logprobs of 16 decode steps equal), mapped and resident."""
+    from edgellm.kernels.cpu.backend import CPUBackend
+
+    n_layer = 2
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=n_layer, n_embd=256, n_head=2,
+                                n_head_kv=1, n_ff=256, n_vocab=384, ggml_type=GGMLType.Q4_K,
+                                hparams={"expert_count": 16, "expert_used_count": 4, "expert_feed_forward_length": 512},
+                                tensor_types={f"blk.{i}.ffn_down_exps.weight": GGMLType.Q6_K for i in range(n_layer)})
+    q6k = []
+    real = moe.decode_down_q6k
+    monkeypatch.setattr(moe, "decode_down_q6k", lambda *a: q6k.append(1) or real(*a))
+    kw = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "cache_prompt": False, "logprobs": 2}
+
+    def answer(**load):
+        with edgellm.load(path, n_ctx=64, **load) as m:
+            return [(c.token, c.logprob, tuple(t for t in c.top_logprobs)) for c in m.generate([1, 45, 120, 7], **kw)]
+
+    fused = answer(use_mmap=True)
+    assert len(q6k) >= n_layer * 15
+    assert answer(use_mmap=False) == fused
+    monkeypatch.setattr(CPUBackend, "moe_decode", lambda self, *a: False)
+    n = len(q6k)
+    assert answer(use_mmap=True) == fused
+    assert len(q6k) == n  # the products one by one this time

@@ -364,8 +364,8 @@ class CPUBackend(NumpyBackend):
                 for name, w in list(vars(L).items()):
                     if isinstance(w, QMatrix):
                         setattr(L, name, self._resident(w))
-                    elif isinstance(w, list):  # a mixture of experts' matrices, one per expert (in
-                        # place: bind_experts knows the list)
+                    elif isinstance(w, list) and id(w) not in self._experts:  # a mixture of experts'
+                        # matrices (bind_experts' lists are in one array already), in place
                         w[:] = [self._resident(e) if isinstance(e, QMatrix) else e for e in w]
         if model.output_backend is self and isinstance(model.output, QMatrix):
             if not self._packed(model.output):
@@ -375,18 +375,34 @@ class CPUBackend(NumpyBackend):
                 model.output = head
 
     def bind_experts(self, ws: list) -> None:
-        """The experts of one mixture-of-experts tensor, Q4_K with rows by eight, packed into one
-        array (expert e's rows from row e * n_rows on; in the arena when there is one) and each
-        bound to its part: what moe_decode's kernels read. Other types are bound one by one, later."""
+        """The experts of one mixture-of-experts tensor in one array (expert e's rows from row
+        e * n_rows on; in the arena when there is one): Q4_K packed by eight, each expert bound to its
+        part; Q6_K copied, the list's matrices replaced by views of it. What moe_decode's kernels
+        read. Other types are bound one by one, later."""
         kernels = self.kernels
         w0 = ws[0] if ws else None
         if (w0 is None or not all(isinstance(w, QMatrix) for w in ws)
-                or any((w.ggml_type, w.n_rows, w.n_cols) != (w0.ggml_type, w0.n_rows, w0.n_cols) for w in ws)
-                or not kernels.packs_by_eight(w0.ggml_type, w0.n_rows)):
+                or any((w.ggml_type, w.n_rows, w.n_cols) != (w0.ggml_type, w0.n_rows, w0.n_cols) for w in ws)):
             return
         from edgellm.kernels.cpu.kquants import pack8_shape
         from edgellm.resident import drop_pages
         from edgellm.validate import check_matrix_bytes
+
+        if w0.ggml_type == GGMLType.Q6_K:  # rows copied end to end: the expert list's matrices become views
+            for w in ws:
+                check_matrix_bytes(w)
+            rows, cols = w0.data.shape
+            whole = self.arena.empty((len(ws) * rows, cols)) if self.arena is not None else \
+                np.empty((len(ws) * rows, cols), np.uint8)
+            for e, w in enumerate(ws):
+                whole[e * rows:(e + 1) * rows] = w.data
+                if not w.data.flags.writeable:
+                    drop_pages(w.data)
+            ws[:] = [dataclasses.replace(w, data=whole[e * rows:(e + 1) * rows]) for e, w in enumerate(ws)]
+            self._experts[id(ws)] = (ws, whole)
+            return
+        if not kernels.packs_by_eight(w0.ggml_type, w0.n_rows):
+            return
 
         rows, cols = pack8_shape(w0.data.shape)
         shape = (len(ws) * rows, cols)
@@ -424,8 +440,8 @@ class CPUBackend(NumpyBackend):
             return True
         dl, dp = found[2]
         xa = self.kernels._quantize("q8_k", gate.reshape(-1), batch=True)
-        moe.decode_down_q4k8(dp, ids, xa.parts[0], xa.parts[1], xa.parts[2], ff // 256, dl[0].n_rows,
-                             out.reshape(-1))
+        down = moe.decode_down_q6k if dl[0].ggml_type == GGMLType.Q6_K else moe.decode_down_q4k8
+        down(dp, ids, xa.parts[0], xa.parts[1], xa.parts[2], ff // 256, dl[0].n_rows, out.reshape(-1))
         return True
 
     def _resident(self, w: QMatrix) -> QMatrix:

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 from edgellm.kernels.cpu.common import expf_ggml, fma32
+from edgellm.kernels.cpu.rowdot import rowdot_q6_k
 from edgellm.kernels.cpu.rows8 import il8_q4_k
 from numba import njit, prange
 
@@ -219,6 +220,21 @@ def decode_down_q4k8(dp, ids, xq, xd, xs, nb, rows, out):
         g = task % g8
         il8_q4_k(dp, np.uint64(ids[j] * rows + 8 * g) * rb, xq, xd, xs, np.uint64(j * nb), np.uint64(nb), out,
                  np.uint64(j * rows + 8 * g))
+
+
+@njit(cache=True, parallel=True)
+def decode_down_q6k(dw, ids, xq, xd, xs, nb, rows, out):
+    """out[j] (float32 (k * rows,) flat) = expert ids[j]'s Q6_K down rows (every expert's rows in
+    dw, expert e's from row e * rows on) times activation row j, each row as matvec_q6_k does it."""
+    k = ids.shape[0]
+    n16 = (rows + 15) // 16
+    rb = np.uint64(dw.shape[1])
+    for task in prange(k * n16):
+        j = task // n16
+        c = task % n16
+        for r in range(c * 16, min(c * 16 + 16, rows)):
+            out[j * rows + r] = rowdot_q6_k(dw, np.uint64(ids[j] * rows + r) * rb, xq, np.uint64(j * nb * 256), xd,
+                                            xs, np.uint64(j * nb), np.uint64(nb))
 
 
 @functools.cache
