@@ -303,7 +303,7 @@ def qkv_attention_by_ops(b, q, k, v, biases, q_norm, k_norm, eps, n_rot, freq_ba
 
 # Before a block-quantized cache stores K and V, llama.cpp rotates q and k (and v, rotating the
 # attention output back) by an orthonormal Walsh-Hadamard matrix, which spreads outlier values over
-# the block and makes the 4/8-bit blocks far more accurate (SmolLM2 q4_0: mean KL 0.17 -> 0.05).
+# the block and makes the 4/8-bit blocks far more accurate (docs/performance.md, standing decisions).
 # Size: K the largest power of two >= 64 dividing head_dim, V 64; none when head_dim % 64 != 0.
 def rotation_size(head_dim: int, widest: bool) -> int:
     if head_dim % 64:

@@ -76,11 +76,9 @@ REGS32 = AVX2 and {"avx512f", "avx512vl"} <= _FEATURES
 # 512-bit byte ops and vpdpbusd (two tokens' blocks in one vector: rowdot._q8_0_two_rows)
 ZMM_VNNI = REGS32 and {"avx512bw", "avx512vnni"} <= _FEATURES
 # Software prefetch of the weights a decode kernel reads next (rowdot.ROW_AHEAD, rows8.PACKED_AHEAD,
-# rows8.GROUP_AHEAD): on Intel cores the hardware's own prefetch left the one-row K-quant kernels
-# latency-bound (Sapphire Rapids, 2 threads, from memory: Q5_K 9.4 -> 23.6 GB/s, Q6_K 19.5 -> 26.0
-# with it); on AMD Zen cores it is the prefetches that cost (Zen 4, 2 threads, from memory, without /
-# with: packed Q4_K 24.4 / 20.2 GB/s, Q6_K 28.2 / 25.0, Q5_K 27.1 / 22.8; docs/performance.md,
-# thirteenth pass). LLVM's name for the CPU compiled for: "znver1" .. "znver5" on AMD Zen.
+# rows8.GROUP_AHEAD): on Intel cores it keeps the one-row K-quant kernels from being latency-bound;
+# on AMD Zen cores the prefetches cost instead (measured: docs/performance.md, standing decisions).
+# LLVM's name for the CPU compiled for: "znver1" .. "znver5" on AMD Zen.
 _CPU_NAME = (llvm_binding.get_host_cpu_name() if numba.config.CPU_NAME in (None, "host") else numba.config.CPU_NAME)
 SOFTWARE_PREFETCH = not _CPU_NAME.startswith("znver")
 F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
@@ -113,7 +111,7 @@ def f16_to_f32(lo, hi):
     """IEEE half (two little-endian bytes) -> float32, exact for every input incl. inf/nan.
 
     Branch-free for normal numbers: scale signs are random in real weights, and a branch on the
-    sign mispredicted half the time and made matvec 3x slower (measured).
+    sign mispredicted half the time and made matvec far slower.
     """
     h = U(lo) | (U(hi) << U(8))
     bits = (h & U(0x7FFF)) << U(13)  # exponent and mantissa, in float32 position
@@ -275,7 +273,7 @@ def quantize_bf16(x, out):
 # x (n_tok, n) -> out (n_tok, n): each row quantized as above and dequantized back to float32
 # (exact for the fp16-scaled formats; q8_k rounds d * q once), the input of the BLAS products.
 # One thread: the work is tiny, and a parallel region right after a BLAS call waits for
-# OpenBLAS's still-spinning threads (measured 0.05 ms alone, 1.9 ms after a BLAS product).
+# OpenBLAS's still-spinning threads.
 SERIAL = dict(cache=True, nogil=True)
 
 
@@ -351,9 +349,7 @@ def outlined(kernel):
     callers call, instead of inlined into them: the same code, so the same results. For callers
     that inline many row kernels into one large function (fused.decode_layers): there, inlined, a
     kernel's loop shares the register allocation of the whole caller, whose hoisted constants and
-    live values spill around it (3B Q4_K_M, the fused gate/up rows: 258 stack accesses in the
-    packed Q4_K loop against 6 alone, 1.43x the time of the same products one by one;
-    docs/performance.md, fourteenth pass). A call per row costs little next to a row of a few
+    live values spill around it (measured: docs/performance.md, standing decisions). A call per row costs little next to a row of a few
     thousand columns, but not next to a small model's short rows (fused.py outlines the K-quants'
     kernels only)."""
     defn = kernel.__wrapped__

@@ -6,8 +6,7 @@ of dispatch plus a parallel-region launch (~5 us with two threads, measured), wh
 parallel regions: the q/k/v rows together, attention, the output projection, the gate/up rows with
 the activation, the down projection; and every block of the step runs in the same call
 (`decode_layers` loops over a table of the layers' weights, norms and caches), so the ~40 us of
-Python and argument dispatch per block are paid once a step (SmolLM2 decode 89 -> 107 tok/s,
-measured). The arithmetic is the unfused kernels' own (the same row dot products in ggml's order,
+Python and argument dispatch per block are paid once a step. The arithmetic is the unfused kernels' own (the same row dot products in ggml's order,
 the same norm / RoPE / attention / activation code), so the results are identical bit for bit
 (tests/test_models.py holds them together).
 
@@ -81,20 +80,16 @@ def _is_k(tid):
 
 def max_tokens(types) -> int:
     """How many decode tokens (of different sequences) a block of `types` takes through
-    decode_layers: measured on SmolLM2 (Q4_1) and Gemma-3 (Q4_K_M) with `edgellm bench --parallel`
-    (2 threads, S_TG t/s, fused / the batch products): SmolLM2 npl 8 176 / 119, npl 16 172 / 149;
-    Gemma-3 npl 8 93-99 / 106, npl 16 97-102 / 119. The K-quants' batch products (tiled, from 8
-    tokens on) beat the one-token row kernels there; the legacy types' do not."""
+    decode_layers: from 8 tokens on the K-quants' batch products (tiled) beat the one-token row
+    kernels, the legacy types' do not (`edgellm bench --parallel`; docs/performance.md)."""
     return 7 if any(int(t) in K_TYPES for t in types) else 16
 
 
 CHUNK = 16  # rows per call of _rows: the type dispatch and call cost once per chunk
 # Every product's parallel loop has one iteration per thread, each a contiguous run of chunks (for
 # the gate and up rows: its run of one matrix, then the same rows of the other, then their
-# activation), so a thread reads each matrix as one stream. Switching from gate to up rows every 16
-# rows had been 4-8 % slower from memory than every 128 (the previous form, FFN_GROUP = 8 chunks);
-# a run per thread is the end of that line. 1B Q4_K_M decode, Zen 4, 5 alternating pairs: 25.8 ->
-# 30.6 t/s (medians; Q8_0 level, 24.4 / 25.9; docs/performance.md, thirteenth pass).
+# activation), so a thread reads each matrix as one stream (switching matrices more often read
+# slower from memory: docs/performance.md, standing decisions).
 
 
 @njit(inline="always")

@@ -357,8 +357,8 @@ def matvec_q5_k(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def matvec_q6_k(raw, xq, xd, xs, xm, out):
-    """Rows by 16 per parallel iteration: with one row an iteration a 128256 x 2048 head (Llama 3's
-    shape) read 6 % slower from memory (2 threads, 26.5-26.7 -> 28.2-28.4 GB/s)."""
+    """Rows by 16 per parallel iteration (one row an iteration read a large head slower from
+    memory)."""
     nb = U(xd.size)
     n = raw.shape[0]
     for c in prange((n + 15) // 16):
@@ -579,7 +579,7 @@ def _batch_product(kind, ggml_type, below=None):
 
 
 # --- batches under TILED_MIN tokens: the one-token order, each row read once for all tokens --------
-# (a 7-row verification step read a 151936-row head seven times from memory token by token)
+# (token by token, each token would read the whole matrix again: a verification step's head)
 @njit(**JIT)
 def rows_q2_k(raw, xq, xd, xs, xm, out):
     n_tok, n = out.shape[0], raw.shape[0]

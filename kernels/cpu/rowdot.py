@@ -32,13 +32,10 @@ from numba.extending import intrinsic
 from edgellm.kernels.cpu.common import (AVX2, REGS32, SOFTWARE_PREFETCH, VNNI, ZMM_VNNI, _abs_sign, _fn, _i8, _i16, _i32,
                                        _splat)
 
-# One-row K-quant kernels read a row linearly, one super-block a loop; from memory (a file larger
-# than the cache) the hardware's prefetch alone kept them latency-bound: Q5_K 8192 x 2048 from
-# memory 9.4 GB/s on 2 threads where from the cache it runs 27 (Q6_K 19.5 vs 39.5). A software
-# prefetch (into L2) ROW_AHEAD bytes ahead of each super-block (into the next rows at a row's end:
-# rows lie end to end) took it to 23.4 / 25.4 GB/s (ahead 704: 20.6 / 22.1, 1408: 22.4 / 24.2,
-# 2816: 23.4 / 25.4, 4224: 22.2 / 24.2, 8448: 20.9 / 23.4; Sapphire Rapids VM, docs/performance.md).
-# 0 (no software prefetch) where common.SOFTWARE_PREFETCH is off: on AMD Zen it slowed them.
+# One-row K-quant kernels read a row linearly, one super-block a loop; from memory the hardware's
+# prefetch alone left them latency-bound on Intel cores, so they prefetch (into L2) ROW_AHEAD bytes
+# ahead (into the next rows at a row's end: rows lie end to end), the best distance measured there;
+# 0 (none) where common.SOFTWARE_PREFETCH is off: on AMD Zen it slowed them (docs/performance.md).
 ROW_AHEAD = 2816 if SOFTWARE_PREFETCH else 0
 
 
@@ -977,9 +974,7 @@ def _pv_lanes(n_q):
     value row of key j is v[kmap[k0 + j] row_stride + v_off ...] (float32 or float16 bits, n
     elements, a multiple of 8). The loops run a lane at a time (keys l, l + 32, l + 64, ...), so for
     each lane and stretch of values the n_q heads' accumulators stay in registers over all its keys,
-    loaded and stored once. (The previous kernel ran key by key, loading and storing every head's
-    accumulator row at each key: ~1 fma a cycle, 0.73 ms a layer at 2000 keys on the 1B shape,
-    against 0.28 ms this way.) A stretch is 32 values per head where that fits in the registers,
+    loaded and stored once (not every head's accumulator row at each key). A stretch is 32 values per head where that fits in the registers,
     then eight at a time for the rest of the row."""
     k_main = max(1, min(4, (16 if REGS32 else 8) // n_q))
 

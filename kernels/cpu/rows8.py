@@ -62,8 +62,8 @@ def _group(builder, w_off, rb):
 
 
 # The eight-row kernels prefetch the group after the next (_ahead), on every CPU: their eight rows
-# are eight streams a row apart, which the hardware does not follow as well as one. Zen 4, 2 threads,
-# 8192 x 2048 Q4_0 from memory: without 9.3-11.4 GB/s, with 20.6-25.6 (scripts/bench_decode_memory.py).
+# are eight streams a row apart, which the hardware does not follow as well as one
+# (scripts/bench/bench_decode_memory.py; docs/performance.md).
 GROUP_AHEAD = True
 
 
@@ -172,8 +172,7 @@ def _splat_masks(builder, nb):
 def _word_splat(builder, dup, b, masks):
     """<16 x i16>: word b of dup (whose two 128-bit halves are alike) in every lane: one in-lane
     byte shuffle (pshufb) where the eight masks can stay in registers (32 of them); with AVX2's 16
-    they go to the stack and LLVM's shift and broadcast ran as fast or faster (4096 x 4096 from the
-    cache, maxima of three runs: 36.8 against 36.1 GB/s)."""
+    they would go to the stack, and LLVM's shift and broadcast is as fast."""
     if REGS32:
         fn = _fn(builder, "llvm.x86.avx2.pshuf.b", _i8(32), [_i8(32), _i8(32)])
         return builder.bitcast(builder.call(fn, [builder.bitcast(dup, _i8(32)), masks[b]]), _i16(16))
@@ -187,8 +186,7 @@ rows8_q4_k = _rows8("q4_k")
 # --- eight rows of Q8_0 -----------------------------------------------------------------------
 # The one-row Q8_0 kernel (rowdot.rowdot_q8_0, ggml's vec_dot order) carries one chain of dependent
 # fmas through a row's blocks (acc = fma(d_w d_x, float(lanes), acc)) and is bound by it, not by the
-# memory: the 262144 x 640 Q8_0 head of Gemma-3 ran at the same 11.6 GB/s on one thread from DRAM as
-# a 0.7 MB matrix from L2. Eight rows at once run eight independent chains, each row's in its own
+# memory (as fast from DRAM as from L2). Eight rows at once run eight independent chains, each row's in its own
 # order, so every result is the one-row kernel's bit for bit, and each x block is loaded once for
 # the eight. (The same for Q4_1 and Q5_0 was measured and not kept: no gain at 2 threads.)
 _Q8_0_BYTES = 34
@@ -231,7 +229,7 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
 # --- Q4_K rows packed by eight: decode and prompt products with the rows in the lanes -----------
 # rows8_q4_k keeps each row's sums in its own vector and reduces the eight at every super-block;
 # on a 16-register AVX2 core that (with the per-row scale splats and the stack traffic of the
-# loaded x) held it to ~11 GB/s a core from the cache. llama.cpp repacks Q4_K at load so a row is
+# loaded x) bounds it even from the cache. llama.cpp repacks Q4_K at load so a row is
 # a lane (its block_q4_Kx8). kquants.pack8_q4_k writes eight rows that way once, still 4-bit:
 # per super-block of the eight rows (Q4_K8_SB bytes), for pair c of sub-blocks and step s of
 # four bytes, 32 bytes = the eight rows' bytes 16 + 32 c + 4 s .. + 3 (low nibbles: codes 4s..4s+3
@@ -242,11 +240,8 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
 # sub-block; lane r is row r's exact integer sum, never reduced. The float steps are the
 # row kernels' (one fma per super-block for one token, per pair of sub-blocks for four), so every
 # result is theirs bit for bit.
-# the decode kernel prefetches (into L2) the packed super-block this many ahead. 8192 x 2048, 2 threads,
-# 96 matrices in turn (900 MB, from memory), GB/s of weights on a Xeon (Sapphire Rapids class):
-# 1 ahead 22.5, 2 23.6-23.9, 3 24.5-25.2, 4 24.1-24.7, 6 23.3-23.6 (into L1: 15-16 at 2 and more).
-# 0: no software prefetch (common.SOFTWARE_PREFETCH off: on Zen 4, 2 threads, none 24.4 GB/s, 3
-# ahead 20.2, 8 ahead 21.6)
+# the decode kernel prefetches (into L2) the packed super-block this many ahead, the best distance
+# measured on Intel; 0 (none) where common.SOFTWARE_PREFETCH is off (docs/performance.md)
 PACKED_AHEAD = 3 if SOFTWARE_PREFETCH else 0
 Q4_K8_SB = 1184  # bytes per super-block of eight packed rows: 1024 codes, 16 d, 16 dmin, 64 scales, 64 mins
 _P_D, _P_DMIN, _P_SC, _P_MN = 1024, 1040, 1056, 1120
