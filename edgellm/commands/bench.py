@@ -10,7 +10,7 @@ from edgellm.machine import machine, machine_bandwidth, stream_bandwidth
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from edgellm.commands.chat import add_flash_attn_argument, gpu_layers_arg
+    from edgellm.commands.flags import add_flash_attn_argument, gpu_layers_arg
 
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="GGUF file or known model name")
     p.add_argument("-p", "--n-prompt", type=int, default=512, metavar="N", help="prompt tokens (pp), default 512")

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl-base", metavar="BASE", default=None,
                    help="also run BASE (e.g. the F16 file) on the same chunks and report KL(BASE || MODEL)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    from edgellm.commands.chat import add_flash_attn_argument
+    from edgellm.commands.flags import add_flash_attn_argument
 
     add_flash_attn_argument(p)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgellm.commands.chat import add_kv_type_arguments, gpu_layers_arg, kv_type_of
+from edgellm.commands.flags import add_kv_type_arguments, gpu_layers_arg, kv_type_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

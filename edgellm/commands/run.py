@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edgellm.commands.chat import add_kv_type_arguments, add_model_arguments, add_sampling_arguments, kv_type_of
+from edgellm.commands.flags import (add_grammar_arguments, add_kv_type_arguments, add_model_arguments,
+                                    add_sampling_arguments, add_spec_arguments, grammar_kwargs, kv_type_of,
+                                    spec_kwargs)
 from edgellm.sampling import MAX_TOKENS
 
 
@@ -34,76 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     add_grammar_arguments(p)
     add_spec_arguments(p)
-
-
-def add_grammar_arguments(p: argparse.ArgumentParser) -> None:
-    """Constrained output, with llama.cpp's flag names (one of them)."""
-    g = p.add_argument_group("constrained output").add_mutually_exclusive_group()
-    g.add_argument("--grammar", default=None, metavar="GBNF", help="the answer follows this GBNF grammar")
-    g.add_argument("--grammar-file", default=None, metavar="FILE", help="... the GBNF grammar in FILE")
-    g.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
-                   help="the answer is JSON valid under this JSON schema (e.g. '{}' for any JSON object)")
-    g.add_argument("--json-schema-file", default=None, metavar="FILE", help="... the JSON schema in FILE")
-
-
-def grammar_kwargs(args) -> dict:
-    """generate()'s grammar argument from the flags (a file is read now: a missing one is an error
-    before the model loads)."""
-    from edgellm.errors import InvalidArgumentError
-
-    for flag, key in (("grammar", "grammar"), ("json_schema", "json_schema")):
-        text, path = getattr(args, flag, None), getattr(args, flag + "_file", None)
-        if path is not None:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise InvalidArgumentError(f"--{flag.replace('_', '-')}-file {path}: cannot read it ({exc})") from None
-        if text is not None:
-            return {key: text}
-    return {}
-
-
-def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding, with llama.cpp's flag names."""
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("-md", "--model-draft", default=None, metavar="FILE|NAME",
-                   help="a smaller model with the same vocabulary whose greedy tokens are verified "
-                        "(spec type draft-simple); the same answer")
-    g.add_argument("--spec-type", default=None, metavar="TYPE",
-                   help="none (default), draft-simple (the default with -md) or ngram-simple: verify the tokens "
-                        "that followed the latest earlier occurrence of the last n-gram (prompt lookup), the same "
-                        "answer, faster on text that repeats its context")
-    g.add_argument("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n", type=int, default=16, metavar="N",
-                   help="the most tokens proposed in a step (default 16)")
-    g.add_argument("--spec-draft-n-min", "--draft-min", "--draft-n-min", type=int, default=0, metavar="N",
-                   help="a shorter proposal is not verified (default 0)")
-    g.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.75, metavar="P",
-                   help="a draft model stops proposing after a token it gives less probability (default 0.75)")
-    g.add_argument("--spec-ngram-simple-size-n", type=int, default=3, metavar="N",
-                   help="the longest n-gram looked up (default 3)")
-    g.add_argument("--spec-ngram-simple-size-m", type=int, default=16, metavar="N",
-                   help="the most tokens copied after a match (default 16)")
-
-
-def spec_kwargs(args) -> dict:
-    """load()'s speculative decoding arguments from the flags (checked: a bad value is an error now)."""
-    from edgellm.api import spec_params
-    from edgellm.errors import InvalidArgumentError
-
-    draft = getattr(args, "model_draft", None)
-    spec_type = getattr(args, "spec_type", None) or ("draft-simple" if draft else "none")
-    kw = dict(spec_type=spec_type, spec_draft_n_max=getattr(args, "spec_draft_n_max", 16),
-              spec_draft_n_min=getattr(args, "spec_draft_n_min", 0),
-              spec_ngram_size_n=getattr(args, "spec_ngram_simple_size_n", 3),
-              spec_ngram_size_m=getattr(args, "spec_ngram_simple_size_m", 16),
-              spec_draft_p_min=getattr(args, "spec_draft_p_min", 0.75))
-    spec_params(*kw.values())
-    if spec_type == "draft-simple" and not draft:
-        raise InvalidArgumentError("--spec-type draft-simple needs a draft model: -md/--model-draft FILE")
-    if draft and spec_type != "draft-simple":
-        raise InvalidArgumentError(f"-md/--model-draft drafts with --spec-type draft-simple, not {spec_type}")
-    return {**kw, "draft": draft} if draft else kw
 
 
 def run(args) -> int:

@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 
-from edgellm.commands.chat import add_model_arguments
+from edgellm.commands.flags import add_model_arguments, add_spec_arguments, spec_kwargs
 from edgellm.errors import EdgeLLMError, InvalidArgumentError
 
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
@@ -43,8 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every request gets the tokens it gets alone, whatever else runs (slower with 8+ "
                         "sequences of a K-quant file)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
-    from edgellm.commands.run import add_spec_arguments
-
     add_spec_arguments(p)
 
 
@@ -58,8 +56,6 @@ def _check(args) -> None:
             raise InvalidArgumentError(f"{flag} must be >= {lo}, got {v}")
     if args.port > 65535:
         raise InvalidArgumentError(f"--port must be <= 65535, got {args.port}")
-    from edgellm.commands.run import spec_kwargs
-
     args.spec = spec_kwargs(args)
 
 
