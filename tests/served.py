@@ -35,9 +35,9 @@ class Served:
         thread runs every step, and Numba's thread count (set at load) is per thread."""
         import edgellm
         from edgellm.serve.app import Server, build_app
-        from edgellm.serve.engine import Engine
+        from edgellm.serve.host import ModelHost
 
-        self.engine = Engine(lambda: edgellm.load(path, **load), queue=queue)
+        self.engine = ModelHost(lambda: edgellm.load(path, **load), queue=queue)
         self.engine.start()
         self.engine.ready.wait()
         if self.engine.load_error is not None:

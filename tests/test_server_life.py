@@ -28,7 +28,7 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 def test_503_while_loading_then_after_a_failed_load():
     from edgellm.errors import EdgeLLMError
     from edgellm.serve.app import Server, build_app
-    from edgellm.serve.engine import Engine
+    from edgellm.serve.host import ModelHost
 
     gate = threading.Event()
 
@@ -36,7 +36,7 @@ def test_503_while_loading_then_after_a_failed_load():
         gate.wait(30)
         raise EdgeLLMError("model.gguf: tensor 'output.weight' is truncated")
 
-    engine = Engine(load)
+    engine = ModelHost(load)
     engine.start()
     uv, thread, url = start_uvicorn(build_app(Server(engine, model_path="model.gguf")))
     try:

@@ -113,7 +113,7 @@ def run(args) -> int:
                           "pip install 'edgellm[server]'") from None
     import edgellm
     from edgellm.fetch import resolve_model
-    from edgellm.serve.engine import Engine
+    from edgellm.serve.host import ModelHost
 
     path = resolve_model(args.model, quiet=False)  # a first-use download shows its progress here
     sock = _bind(args.host, args.port)
@@ -125,7 +125,7 @@ def run(args) -> int:
                             kv_size=args.kv_size, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
                             batch_invariant=args.batch_invariant, **args.spec)
 
-    engine = Engine(load, queue=args.queue)
+    engine = ModelHost(load, queue=args.queue)
     server = Server(engine, model_path=path, alias=args.alias, api_key=args.api_key)
     config = uvicorn.Config(build_app(server), log_level="info" if args.verbose else "warning",
                             access_log=args.verbose, timeout_graceful_shutdown=10, lifespan="off")

@@ -1,6 +1,6 @@
 """The Starlette application: routes, authentication, JSON and server-sent-event answers.
 
-Nothing here touches the model: requests go through `Engine.open` (a thread per request), tokenize /
+Nothing here touches the model: requests go through `ModelHost.open` (a thread per request), tokenize /
 detokenize through `asyncio.to_thread`.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edgellm.serve import protocol as P
-from edgellm.serve.engine import Engine, Stream
+from edgellm.serve.host import ModelHost, Stream
 from edgellm.serve.metrics import Metrics
 
 MAX_BODY_BYTES = 16 << 20
@@ -69,7 +69,7 @@ async def _disconnected(request: Request) -> None:
 class Server:
     """The state behind the routes: the engine, the names the model answers to, metrics, the key."""
 
-    def __init__(self, engine: Engine, *, model_path: str | Path | None = None, alias: str | None = None,
+    def __init__(self, engine: ModelHost, *, model_path: str | Path | None = None, alias: str | None = None,
                  api_key: str | None = None, ping_seconds: float = PING_SECONDS):
         self.engine = engine
         self.name = alias or (Path(model_path).stem if model_path else "edgellm")

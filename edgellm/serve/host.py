@@ -1,4 +1,4 @@
-"""The model behind the server, seen from the event loop.
+"""The model behind the server, seen from the event loop (`ModelHost`).
 
 The model loads on a thread of its own (the server answers /health with 503 meanwhile). A request
 runs on its own thread too: that thread renders the prompt, calls `Model.submit` and iterates the
@@ -37,7 +37,7 @@ _END = object()
 class Stream:
     """Chunks of one request, from its thread to the event loop."""
 
-    def __init__(self, engine: "Engine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: "ModelHost", loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -134,7 +134,7 @@ def map_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-class Engine:
+class ModelHost:
     """Loads the model on a thread; admits requests up to n_seq running + `queue` waiting."""
 
     def __init__(self, load, *, queue: int = 64):
@@ -154,7 +154,7 @@ class Engine:
         return t
 
     def _load_thread(self) -> None:
-        """Load the model, then run every engine step in this thread (Engine.run_forever): the
+        """Load the model, then run every engine step in this thread (the scheduler's Engine.run_forever): the
         kernels ran first from here (the load's warm-up) and are fastest from here; the request
         threads only wait for their chunks."""
         try:
