@@ -33,7 +33,7 @@ class StepTiming:
 
 # --- the warm-up: its steps, run at load (Runtime.warm_up) and by precompile's compile workers ----
 PROMPT_TOKENS = 9  # the warm-up's prompt batch: more than one group of 4/8 tokens
-SEQS_TOKENS = 3  # the warm-up's decode step of several sequences (when there can be several)
+SEQS_TOKENS = 3  # the warm-up's short batch: a prompt's tail, a decode step of several sequences
 
 
 def layer_kinds(model, cfg, layer_devices) -> dict:
@@ -49,8 +49,8 @@ def layer_kinds(model, cfg, layer_devices) -> dict:
 
 def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fused: bool = True) -> list[tuple]:
     """The warm-up's steps: ("block", il, n_tok, last_only) for one CPU layer of each kind (a prompt
-    batch; on the last layer the same batch with only its last row going on; with n_seq > 1 a decode
-    step of several sequences), one token through the layers: ("layers", (il, ...), 1), one layer
+    batch; on the last layer the same batch with only its last row going on; a short batch: a
+    prompt's tail or a decode step of several sequences), one token through the layers: ("layers", (il, ...), 1), one layer
     of each kind in one fused call as a decode step of an all-CPU model runs them (the kernel
     variant of all their types together), or ("block", il, 1, False) per kind when some layers are
     on the GPU (the CPU layers then decode one by one), or when `fused` is False (the fused decode
@@ -58,8 +58,8 @@ def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fus
     unfused kernels); then ("head", n_tok) for the output head's products when they run on the CPU."""
     last = len(layer_devices) - 1
     all_cpu = all(d == "cpu" for d in layer_devices) and fused
-    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + (
-        [(SEQS_TOKENS, False)] if n_seq > 1 else [])
+    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + [
+        (SEQS_TOKENS, False)]
     kinds = tuple(layer_kinds(model, cfg, layer_devices).values())
     steps = []
     for il in kinds:
@@ -69,7 +69,7 @@ def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fus
     if all_cpu and kinds:
         steps.append(("layers", kinds, 1))
     if output_device == "cpu" and hasattr(model.output, "ggml_type"):
-        steps += [("head", n) for n in (PROMPT_TOKENS, 1) + ((SEQS_TOKENS,) if n_seq > 1 else ())]
+        steps += [("head", n) for n in (PROMPT_TOKENS, 1, SEQS_TOKENS)]
     return steps
 
 

@@ -134,7 +134,10 @@ def test_ctrl_c_during_an_answer_prints_interrupted_on_a_line_of_its_own(smollm2
 
     p = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "run", str(smollm2_path), "--raw", "--temp", "0",
                           "-p", "The history of the city of Rome begins", "-n", "2000", "-c", "2048", "--ignore-eos"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         # SIGINT as on a terminal, even where the test runner was started in the
+                         # background (a shell's `&` starts it with SIGINT ignored, which children inherit)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = b""
     deadline = time.monotonic() + 300
     try:

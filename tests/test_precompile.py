@@ -59,16 +59,18 @@ def test_nothing_compiled_prints_nothing():
 @pytest.mark.real
 def test_groups_split_the_prompt_the_unfused_decode_and_the_fused_decode(smollm2_path, gemma3_path):
     from edgellm.precompile import _open, step_groups, worker_shares
-    from edgellm.runtime import PROMPT_TOKENS
+    from edgellm.runtime import PROMPT_TOKENS, SEQS_TOKENS
 
     cfg, _, model = _open(str(smollm2_path), 1)
     prompt, one, layers = step_groups(model, cfg)
     last = cfg.n_layer - 1
-    # SmolLM2: every layer has the same types, so a layer of each kind is the first and the last
-    assert prompt == [("block", 0, PROMPT_TOKENS, False), ("block", last, PROMPT_TOKENS, False),
-                      ("block", last, PROMPT_TOKENS, True)]
+    # SmolLM2: every layer has the same types, so a layer of each kind is the first and the last;
+    # the prompt batches and the short batch (a prompt's tail) go together
+    assert prompt == [("block", 0, PROMPT_TOKENS, False), ("block", 0, SEQS_TOKENS, False),
+                      ("block", last, PROMPT_TOKENS, False), ("block", last, PROMPT_TOKENS, True),
+                      ("block", last, SEQS_TOKENS, False)]
     assert sorted(one, key=str) == sorted([("block", 0, 1, False), ("block", last, 1, False), ("head", PROMPT_TOKENS),
-                                           ("head", 1)], key=str)
+                                           ("head", 1), ("head", SEQS_TOKENS)], key=str)
     assert layers == [("layers", (0, last), 1)]
     # the fused decode step goes last, after the unfused one-token steps (whose kernels it calls)
     assert worker_shares([prompt, one, layers], 2) == [prompt, one + layers]
@@ -173,7 +175,8 @@ def test_kernels_compile_while_the_model_downloads(smollm2_path, tmp_path, monke
 
 def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
     """The stand-in compiled during a download is a valid file of the model's architecture, whose
-    warm-up has a decode and a prompt part (what the workers split)."""
+    warm-up has a decode and a prompt part (what the workers split), the prompt part with a short
+    batch (a prompt's tail)."""
     from gguf import GGMLQuantizationType
 
     from edgellm.fetch import KNOWN_MODELS
@@ -184,7 +187,7 @@ def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
         cfg, _, model = _open(str(path), 1)
         assert cfg.arch == known.stand_in.arch
         groups = step_groups(model, cfg)
-        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 9}
+        assert {s[2] for g in groups for s in g if s[0] == "block"} == {1, 3, 9}  # one token, a tail, a prompt
         assert [s[2] for g in groups for s in g if s[0] == "layers"] == [1]
         assert model.blocks[1].ffn_down.ggml_type == GGMLQuantizationType[known.stand_in.layers[-1][-1]]
 

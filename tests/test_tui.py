@@ -498,3 +498,30 @@ def test_real_default_model_answers_in_the_chat():
     direct = model.chat([{"role": "user", "content": "What is the capital of France?"}],
                         temperature=0.0, max_tokens=16)
     assert shown == "".join(chunk.text for chunk in direct)
+
+
+@pytest.mark.real
+def test_the_panel_shows_drafted_and_kept_tokens(smollm2_path, monkeypatch):
+    """Speculative decoding (prompt lookup, every step verifying): the panel's context line says how
+    many proposed tokens the answer kept, the engine's own counts."""
+    import edgellm
+    from edgellm import scheduler
+
+    monkeypatch.setattr(scheduler.DraftLength, "choose", lambda self, available: available)
+    model = edgellm.load(smollm2_path, n_ctx=512, spec_type="ngram-simple")
+
+    async def scenario():
+        app = ChatApp(model, ChatSettings(temperature=0.0, max_tokens=48))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ask_and_wait(pilot, "Repeat exactly: the red fox and the red fox and the red fox and the red fox",
+                               timeout=120)
+            await pilot.pause(0.3)
+            stats = model.stats
+            assert stats.draft_n > 0
+            assert label(app.screen, "ctx") == (f"ctx {stats.n_past} / 512  draft {stats.draft_n_accepted}/"
+                                                f"{stats.draft_n}")
+
+    try:
+        run(scenario())
+    finally:
+        model.close()

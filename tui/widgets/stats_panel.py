@@ -189,7 +189,9 @@ class StatsPanel(VerticalScroll):
         set_text(self.query_one("#tpot", Static), f"TPOT {_fmt(stats.tpot_ms, '.1f', 'ms')}")
         set_text(self.query_one("#tps", Static), f"{_fmt(stats.gen_tps, '.1f')} tok/s")
         set_text(self.query_one("#pp", Static), f"pp {_fmt(stats.prompt_tps, '.0f')} t/s")
-        set_text(self.query_one("#ctx", Static), f"ctx {stats.n_past} / {self.n_ctx}")
+        drafted = getattr(stats, "draft_n", 0)  # speculative decoding: tokens proposed / kept
+        spec = f"  draft {stats.draft_n_accepted}/{drafted}" if drafted else ""
+        set_text(self.query_one("#ctx", Static), f"ctx {stats.n_past} / {self.n_ctx}{spec}")
         set_text(self.query_one("#timing-heading", Static),
                  timing_heading(self.cpu_weight_rate(), self.memory_bw))
 
