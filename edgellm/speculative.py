@@ -14,7 +14,11 @@ speculative sampling's rejection rule (accept with probability p(x), else draw f
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from edgellm.errors import InvalidArgumentError
 
@@ -215,8 +219,6 @@ class DraftModel:
     tokens the target rejects are cut back (the draft cache's rollback margin)."""
 
     def __init__(self, runtime, *, n_vocab: int, n_batch: int, n_max: int, p_min: float, lock=None):
-        import threading
-
         self.runtime = runtime
         self.n_vocab = n_vocab  # proposals are target ids: the draft's extra rows are never proposed
         self.n_batch = n_batch
@@ -233,8 +235,6 @@ class DraftModel:
     def propose(self, dkv, tokens: list[int], k: int) -> list[int]:
         """Up to k greedy draft tokens after `tokens` (the target's sequence and its next token),
         stopping after one the draft gives less than p_min; [] when the draft cache is short."""
-        import time
-
         t0 = time.perf_counter()
         with self.lock:
             out = self._propose(dkv, tokens, k)
@@ -245,8 +245,6 @@ class DraftModel:
         return out
 
     def _propose(self, dkv, tokens, k):
-        import numpy as np
-
         n = 0
         while n < min(dkv.n_past, len(tokens)) and dkv.tokens[n] == tokens[n]:
             n += 1

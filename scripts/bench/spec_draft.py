@@ -25,13 +25,18 @@ ASKS = ["a Python function that checks whether a number is prime", "a C function
         "a Python generator for Fibonacci numbers", "a Python function that validates an IPv4 address"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_pair_arguments(ap: argparse.ArgumentParser, prompts: int) -> None:
+    """The target / draft pair, threads, tokens and prompts (shared with spec_vs_llamacpp.py)."""
     ap.add_argument("target", nargs="?", default="qwen2.5-coder-1.5b")
     ap.add_argument("draft", nargs="?", default="qwen2.5-coder-0.5b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=prompts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_pair_arguments(ap, prompts=20)
     ap.add_argument("--modes", default="adaptive,forced")
     a = ap.parse_args()
     plain = edgellm.load(a.target, n_ctx=1024, threads=a.threads)

@@ -15,16 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import llamacpp  # noqa: E402
-from spec_draft import ASKS  # noqa: E402
+from spec_draft import ASKS, add_pair_arguments  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("target", nargs="?", default="qwen2.5-coder-1.5b")
-    ap.add_argument("draft", nargs="?", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=5)
+    add_pair_arguments(ap, prompts=5)
     ap.add_argument("--n-max", default="2,4,8,16")
     llamacpp.add_argument(ap)
     a = ap.parse_args()
