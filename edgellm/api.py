@@ -84,7 +84,8 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
          vram=None, kv_type: str = "f16", n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous",
          quiet: bool = True, use_mmap: bool | None = None, spec_type: str = "none", spec_draft_n_max: int = 16,
          spec_draft_n_min: int = 0, spec_ngram_size_n: int = 3, spec_ngram_size_m: int = 16,
-         flash_attn="off", batch_invariant: bool = False, draft=None, spec_draft_p_min: float = 0.75) -> "Model":
+         flash_attn="off", batch_invariant: bool = False, draft=None, spec_draft_p_min: float = 0.75,
+         tensor_overrides=(), cpu_moe: bool = False, n_cpu_moe: int = 0) -> "Model":
     """Load a GGUF model. path None → the default model (fetched on first use). gpu_layers: 0 | N |
     -1 (all) | "auto". vram: a GPU budget ("4GiB" or bytes) overriding what the device reports.
     n_seq: sequences decoded together (concurrent generate/chat/submit calls); n_ctx is each one's
@@ -113,7 +114,12 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
     share its steps (each prompt chunk in a pass of its own, decode tokens by as many as keep the
     one-token order); costs passes over the weights: K-quant files decoding 8+ sequences run two
     (docs/performance.md). Off: one pass a step, each decode token still the bits it gets alone
-    up to 7 (K-quants) or 16 (legacy types) sequences and without a prompt in the same step."""
+    up to 7 (K-quants) or 16 (legacy types) sequences and without a prompt in the same step.
+    tensor_overrides (llama.cpp's -ot): ["REGEX=DEVICE" | (regex, device), ...], DEVICE "cpu" or
+    "cuda0": the first rule whose regex is found in a tensor's name places it; edgellm places a
+    mixture-of-experts layer's expert tensors (ffn_*_exps) this way. cpu_moe (--cpu-moe): every
+    layer's experts on the CPU; n_cpu_moe (--n-cpu-moe): the experts of the first n_cpu_moe layers
+    (a warning, not an error, on a model without experts)."""
     from edgellm.config import ModelConfig
     from edgellm.fetch import resolve_model
     from edgellm.gguf_file import GGUFFile
@@ -157,6 +163,14 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
 
         use_mmap = not want_resident(gf.file_size)
     cfg = ModelConfig.from_gguf(gf)
+    from edgellm.placement import tensor_overrides as _overrides
+
+    rules = _overrides(tensor_overrides, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe)
+    if (cpu_moe or n_cpu_moe) and "n_expert" not in cfg.extra and not quiet:
+        import sys
+
+        flag = "--cpu-moe" if cpu_moe else "--n-cpu-moe"
+        print(f"edgellm: warning: {flag}: {gf.path.name} has no mixture-of-experts layers; ignored", file=sys.stderr)
     draft_model, owned = draft, False
     if isinstance(draft, (str, _os.PathLike)):  # loaded first: a draft that fails leaves nothing behind
         from edgellm.speculative import check_draft
@@ -172,7 +186,7 @@ def load(path=None, *, gpu_layers=0, n_ctx: int = 4096, n_batch: int = 512, thre
                       threads=threads or default_threads(), vram=vram, kv_type=kv_type, n_seq=int(n_seq),
                       kv_size=None if kv_size is None else int(kv_size), policy=policy, quiet=quiet,
                       use_mmap=use_mmap, spec=spec, flash_attn=flash_attn, batch_invariant=bool(batch_invariant),
-                      draft=draft_model)
+                      draft=draft_model, overrides=rules)
     except BaseException:
         if owned:
             draft_model.close()
@@ -235,7 +249,7 @@ class Model:
     def __init__(self, gf, cfg, *, gpu_layers, n_ctx, n_batch, threads, vram, kv_type, backends=None,
                  n_seq: int = 1, kv_size: int | None = None, policy: str = "continuous", quiet: bool = True,
                  use_mmap: bool = True, spec=None, flash_attn: bool = False, batch_invariant: bool = False,
-                 draft: Model | None = None):
+                 draft: Model | None = None, overrides=()):
         from edgellm.kernels.cpu.backend import CPUBackend
         from edgellm.placement import make_plan
         from edgellm.runtime import Runtime
@@ -260,10 +274,10 @@ class Model:
 
             check_draft(self, draft)
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
-                              kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size)
+                              kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size, overrides=overrides)
         if backends is None:
             backends = {"cpu": CPUBackend(threads, resident=not use_mmap, flash_attn=flash_attn)}
-            if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu":
+            if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu" or "gpu" in self.plan.experts:
                 from edgellm.kernels.cuda import require
 
                 require()

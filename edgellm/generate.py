@@ -43,6 +43,7 @@ class Stats:
     preemptions: int = 0  # times this request's KV was freed and recomputed (the pool ran out)
     finish_reason: str | None = None
     device_ms: dict[str, float] = field(default_factory=dict)  # decode ms per step per device
+    crossings: int = 0  # copies of the activations between devices in a decode step
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> term -> bytes
     n_past: int = 0  # tokens in the sequence's context
     n_ctx: int = 0

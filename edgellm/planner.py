@@ -77,16 +77,28 @@ class WeightSizes:
     # of 8 rows are packed by eight there (kernels/cpu Matrix.pack), 37 bytes for every 36
     cpu_extra: tuple[int, ...] = ()
     head_cpu_extra: int = 0
+    # a mixture-of-experts block's parts placed apart (included in blocks / cpu_extra): the expert
+    # tensors (--cpu-moe, -ot), their CPU packing, and the router, which runs on the host
+    experts: tuple[int, ...] = ()
+    experts_cpu_extra: tuple[int, ...] = ()
+    routers: tuple[int, ...] = ()
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Any], n_layer: int) -> "WeightSizes":
         """From a GGUFFile's tensor table (name -> TensorInfo with .nbytes and .n_elements)."""
         blocks, other, extra = [0] * n_layer, 0, [0] * n_layer
+        experts, experts_extra, routers = [0] * n_layer, [0] * n_layer, [0] * n_layer
         for name, t in tensors.items():
             parts = name.split(".")
             if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layer:
-                blocks[int(parts[1])] += t.nbytes
-                extra[int(parts[1])] += cpu_packed_extra(t)
+                il = int(parts[1])
+                blocks[il] += t.nbytes
+                extra[il] += cpu_packed_extra(t)
+                if parts[2] in EXPERT_TENSORS:
+                    experts[il] += t.nbytes
+                    experts_extra[il] += cpu_packed_extra(t)
+                elif parts[2] == "ffn_gate_inp":
+                    routers[il] += t.nbytes
             elif name not in ("token_embd.weight", "output.weight", "output_norm.weight"):
                 other += t.nbytes
         tied = "output.weight" not in tensors
@@ -101,7 +113,14 @@ class WeightSizes:
             other=other,
             cpu_extra=tuple(extra),
             head_cpu_extra=cpu_packed_extra(tensors["token_embd.weight" if tied else "output.weight"]),
+            experts=tuple(experts) if any(experts) else (),
+            experts_cpu_extra=tuple(experts_extra) if any(experts) else (),
+            routers=tuple(routers) if any(experts) else (),
         )
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(self.experts)
 
     @property
     def total(self) -> int:
@@ -121,7 +140,12 @@ class WeightSizes:
             token_embd=int(self.token_embd * factor),
             head=int(self.head * factor),
             cpu_extra=(), head_cpu_extra=0,  # the packing is Q4_K's: not known for another type
+            experts=tuple(int(b * factor) for b in self.experts), experts_cpu_extra=(),
         )
+
+
+# a mixture-of-experts block's expert tensors (what --cpu-moe places on the CPU)
+EXPERT_TENSORS = frozenset(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"))
 
 
 def cpu_packed_extra(t) -> int:
@@ -173,13 +197,17 @@ def kv_pool_groups(config, shape: RunShape) -> tuple:
 
 
 def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head: bool, is_host: bool,
-                       n_ctx_attn: int) -> dict[str, int]:
+                       n_ctx_attn: int, runs_experts: bool | None = None, crosses: bool = False) -> dict[str, int]:
     """Named float32 buffers of one forward step of n_tok = min(n_batch, n_ctx) tokens, in bytes.
 
     A device that runs blocks allocates the per-layer scratch once and reuses it for every layer; the
     device with the output head holds the logits; the host always holds the embedded batch and the
     logits handed back to the caller. `n_ctx_attn` is the longest KV a block on this device attends to.
+    runs_experts: the device runs mixture-of-experts FFNs (default: runs_blocks); crosses: some of
+    them belong to a layer on the other device (the step's normed rows come in, their sum goes back).
     """
+    if runs_experts is None:
+        runs_experts = runs_blocks
     t, c = shape.n_tok, config
     kt = KV_TYPES[shape.kv_type]
     # bytes per K/V value of a sequence gathered from the paged cache for the GPU kernel: the cache's
@@ -213,8 +241,10 @@ def activation_buffers(config, shape: RunShape, *, runs_blocks: bool, holds_head
             x_q8=t * (widest // Q8_BLOCK[0] + 1) * Q8_BLOCK[1],  # matmul input quantized to Q8_0
         )
     moe = getattr(c, "extra", None) or {}
-    if runs_blocks and "n_expert" in moe:
+    if runs_experts and "n_expert" in moe:
         k, ffe = moe["n_expert_used"], moe["n_ff_exp"]
+        if crosses:  # a GPU layer's FFN input and output, on the host
+            buffers.update(moe_in=t * c.n_embd * F32, moe_sum=t * c.n_embd * F32)
         buffers.update(
             moe_logits=t * moe["n_expert"] * F32,  # the router's scores (n_tok, n_expert)
             moe_out=t * k * c.n_embd * F32,  # each chosen expert's output, weighted, before their sum
@@ -286,6 +316,8 @@ class Plan:
     notes: tuple[str, ...] = ()  # why the split is what it is
     remedies: tuple[str, ...] = field(default=(), compare=False)  # when it does not fit, in order
     kv_pool: tuple = field(default=(), compare=False)  # per layer group: (window, n_layers, blocks, bytes)
+    # the device of each block's expert tensors (a mixture-of-experts model; () for a dense one)
+    experts: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -297,13 +329,17 @@ class Plan:
 
     def layer_map(self) -> str:
         """"blocks 0-9 cpu, 10-29 gpu, output gpu"."""
-        runs, start = [], 0
-        for il in range(1, len(self.layers) + 1):
-            if il == len(self.layers) or self.layers[il] != self.layers[start]:
-                span = f"{start}" if il - 1 == start else f"{start}-{il - 1}"
-                runs.append(f"{span} {self.layers[start]}")
-                start = il
-        return f"blocks {', '.join(runs)}, output {self.output_device}" if runs else f"output {self.output_device}"
+        return (f"{_runs(self.layers)}, output {self.output_device}" if self.layers
+                else f"output {self.output_device}")
+
+    def expert_map(self) -> str:
+        """"blocks 0-27 cpu, 28-47 gpu": where the experts are; "" for a dense model."""
+        return _runs(self.experts) if self.experts else ""
+
+    @property
+    def split_layers(self) -> int:
+        """Blocks whose experts sit on another device than the rest of the block."""
+        return sum(e != d for e, d in zip(self.experts, self.layers))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -311,6 +347,7 @@ class Plan:
             "n_gpu_layers": self.n_gpu_layers,
             "output_device": self.output_device,
             "layers": list(self.layers),
+            "experts": list(self.experts),
             "n_ctx": self.shape.n_ctx,
             "n_batch": self.shape.n_batch,
             "n_seq": self.shape.n_seq,
@@ -322,6 +359,17 @@ class Plan:
             "notes": list(self.notes),
             "remedies": list(self.remedies),
         }
+
+
+def _runs(devices) -> str:
+    """"blocks 0-9 cpu, 10-29 gpu"""
+    runs, start = [], 0
+    for il in range(1, len(devices) + 1):
+        if il == len(devices) or devices[il] != devices[start]:
+            span = f"{start}" if il - 1 == start else f"{start}-{il - 1}"
+            runs.append(f"{span} {devices[start]}")
+            start = il
+    return f"blocks {', '.join(runs)}"
 
 
 @dataclass(frozen=True)
@@ -343,17 +391,42 @@ def _margin(used: int) -> int:
     return max(MARGIN_MIN, int(MARGIN_FRACTION * used)) if used else 0
 
 
+def layer_devices(n_layer: int, n_gpu: int) -> tuple[str, ...]:
+    """The last n_gpu blocks on the GPU."""
+    return tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
+
+
+def expert_devices(layers, fixed: Mapping[int, str] = {}, n_cpu_moe: int = 0) -> tuple[str, ...]:
+    """Each block's expert device: `fixed` (the overrides), else the CPU for the first n_cpu_moe
+    blocks, else the block's own device."""
+    return tuple(fixed.get(il, "cpu" if il < n_cpu_moe else d) for il, d in enumerate(layers))
+
+
 def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: RunShape, budgets: Budgets,
-            costs: RuntimeCosts = RuntimeCosts()) -> tuple[Ledger, Ledger]:
-    """(cpu, gpu) ledgers for the head on `output_device` and the last n_gpu blocks on the GPU."""
+            costs: RuntimeCosts = RuntimeCosts(), experts: Sequence[str] = ()) -> tuple[Ledger, Ledger]:
+    """(cpu, gpu) ledgers for the head on `output_device`, the last n_gpu blocks on the GPU and each
+    block's expert tensors on experts[il] (a mixture-of-experts model; default the block's device)."""
     n_layer = config.n_layer
-    first_gpu = n_layer - n_gpu
+    layers = layer_devices(n_layer, n_gpu)
+    split = bool(sizes.experts) and bool(experts)
     dev_weights = {"cpu": sizes.token_embd + sizes.other, "gpu": 0}
     dev_kv = {"cpu": 0, "gpu": 0}
     dev_ctx = {"cpu": 0, "gpu": 0}  # longest KV a block on the device attends to
-    for il in range(n_layer):
-        dev = "gpu" if il >= first_gpu else "cpu"
-        dev_weights[dev] += sizes.blocks[il] + (sizes.cpu_extra[il] if dev == "cpu" and sizes.cpu_extra else 0)
+    dev_experts = {"cpu": False, "gpu": False}  # the device runs experts / those of the other's blocks
+    crosses = {"cpu": False, "gpu": False}
+    for il, dev in enumerate(layers):
+        extra = sizes.cpu_extra[il] if sizes.cpu_extra else 0
+        if split:
+            edev, e, r = experts[il], sizes.experts[il], sizes.routers[il]
+            e_extra = sizes.experts_cpu_extra[il] if sizes.experts_cpu_extra else 0
+            dev_weights[dev] += sizes.blocks[il] - e - r + (extra - e_extra if dev == "cpu" else 0)
+            dev_weights[edev] += e + (e_extra if edev == "cpu" else 0)
+            dev_weights["cpu"] += r  # the router runs on the host
+            dev_experts[edev] = True
+            crosses[edev] |= edev != dev
+        else:
+            dev_weights[dev] += sizes.blocks[il] + (extra if dev == "cpu" else 0)
+            dev_experts[dev] = True
         dev_kv[dev] += kv_cache_bytes(config, il, shape)
         dev_ctx[dev] = max(dev_ctx[dev], layer_n_ctx(config, il, shape))
     # the head: on the CPU a tied head is token_embd itself, already counted
@@ -362,12 +435,12 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
     if output_device == "cpu":
         dev_weights["cpu"] += sizes.head_cpu_extra
 
-    gpu_used = n_gpu > 0 or output_device == "gpu"
+    gpu_used = n_gpu > 0 or output_device == "gpu" or (split and "gpu" in experts)
     result = []
     for dev, budget, source in (("cpu", budgets.cpu, budgets.cpu_source), ("gpu", budgets.gpu, budgets.gpu_source)):
         buffers = activation_buffers(
             config, shape, runs_blocks=dev_ctx[dev] > 0, holds_head=output_device == dev, is_host=dev == "cpu",
-            n_ctx_attn=dev_ctx[dev],
+            n_ctx_attn=dev_ctx[dev], runs_experts=dev_experts[dev], crosses=crosses[dev],
         ) if (dev == "cpu" or gpu_used) else {}
         activations = sum(buffers.values())
         if dev == "cpu":
@@ -382,12 +455,16 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
 
 def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: int = 1, kv_type: str = "f16",
          gpu_layers: int | str = 0, budgets: Budgets, check: bool = True, kv_size: int | None = None,
-         costs: RuntimeCosts = RuntimeCosts(), measured: Sequence[MeasuredType] = ()) -> Plan:
+         costs: RuntimeCosts = RuntimeCosts(), measured: Sequence[MeasuredType] = (),
+         expert_fixed: Mapping[int, str] = {}) -> Plan:
     """Place the layers and account for every byte. `gpu_layers`: 0 | N | -1 (all) | "auto".
     `measured`: this model's quant types from a quality report, for the "smaller type" remedy.
+    `expert_fixed`: {block: device} of the expert tensors the overrides place (-ot, --cpu-moe,
+    --n-cpu-moe); the other blocks' experts go with their block.
 
     "auto": the output head first, then as many of the last blocks as fit the GPU budget with the
-    margin. An explicit N that does not fit, or any plan whose CPU side does not fit, raises PlanError
+    margin; on a mixture-of-experts file every block without its experts first (attention, norms,
+    router), then the experts of as many of the last blocks as fit (llama.cpp's --n-cpu-moe). An explicit N that does not fit, or any plan whose CPU side does not fit, raises PlanError
     with the ledger numbers and the remedies when `check` is true; with check=False the plan is
     returned with fits=False (what `edgellm plan` shows).
     """
@@ -401,7 +478,10 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
     n_layer = config.n_layer
     notes: list[str] = []
 
-    if gpu_layers == "auto":
+    n_cpu_moe = 0
+    if gpu_layers == "auto" and sizes.has_experts:
+        n_gpu, output_device, n_cpu_moe = _auto_moe(config, sizes, shape, budgets, costs, notes, expert_fixed)
+    elif gpu_layers == "auto":
         n_gpu, output_device = _auto(config, sizes, shape, budgets, costs, notes)
     else:
         try:
@@ -413,14 +493,11 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
         n_gpu = n_layer if n == -1 else min(n, n_layer)
         output_device = "gpu" if n_gpu > 0 else "cpu"
 
-    if n_gpu and "n_expert" in getattr(config, "extra", {}):
-        from edgellm.errors import UnsupportedArchitectureError
-
-        raise UnsupportedArchitectureError(f"{config.arch}: a mixture-of-experts layer runs on the CPU only, for "
-                                           "now: use --gpu-layers 0")
-    cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
-    layers = tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))
-    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape))
+    layers = layer_devices(n_layer, n_gpu)
+    experts = expert_devices(layers, expert_fixed, n_cpu_moe) if sizes.has_experts else ()
+    cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs, experts)
+    result = Plan(layers, output_device, n_gpu, shape, cpu, gpu, tuple(notes), kv_pool=kv_pool_groups(config, shape),
+                  experts=experts)
     if not result.fits:
         result = replace(result, remedies=tuple(remedies(config, sizes, result, budgets, costs, measured)))
         if check:
@@ -428,10 +505,39 @@ def plan(config, sizes: WeightSizes, *, n_ctx: int, n_batch: int = 512, n_seq: i
     return result
 
 
+def _auto_moe(config, sizes, shape, budgets, costs, notes: list[str], fixed) -> tuple[int, str, int]:
+    """(n_gpu, output device, n_cpu_moe) for "auto" on a mixture-of-experts file: every block and the
+    head on the GPU with the experts of the first n_cpu_moe blocks on the CPU, the smallest
+    n_cpu_moe that fits; when even all experts on the CPU do not fit, fewer blocks (experts on the
+    CPU) as _auto places them."""
+    n_layer = config.n_layer
+    if budgets.gpu <= 0:
+        return (*_auto(config, sizes, shape, budgets, costs, notes), 0)
+    layers = layer_devices(n_layer, n_layer)
+
+    def gpu_fits(n_gpu, n_cpu) -> bool:
+        lay = layer_devices(n_layer, n_gpu)
+        return ledgers(config, sizes, n_gpu, "gpu", shape, budgets, costs,
+                       expert_devices(lay, fixed, n_cpu))[1].fits
+
+    for n_cpu in range(n_layer + 1):  # the GPU's need only falls as n_cpu grows: the first fit is the most
+        if gpu_fits(n_layer, n_cpu):
+            on_gpu = expert_devices(layers, fixed, n_cpu).count("gpu")
+            notes.append(f"every block's attention, norms and the head on the GPU; the experts of {on_gpu} of "
+                         f"{n_layer} blocks on the GPU, the rest on the CPU"
+                         + (f" (--n-cpu-moe {n_cpu})" if n_cpu and n_cpu < n_layer and not fixed else ""))
+            return n_layer, "gpu", n_cpu
+    for n_gpu in range(n_layer - 1, 0, -1):
+        if gpu_fits(n_gpu, n_layer):
+            notes.append(f"{n_gpu} of {n_layer} blocks on the GPU, every expert on the CPU: one more block would "
+                         f"not fit the {format_size(budgets.gpu)} budget")
+            return n_gpu, "gpu", n_layer
+    n_gpu, out = _auto(config, replace(sizes, experts=(), experts_cpu_extra=(), routers=()), shape, budgets,
+                       costs, notes)
+    return n_gpu, out, n_layer
+
+
 def _auto(config, sizes, shape, budgets, costs, notes: list[str]) -> tuple[int, str]:
-    if "n_expert" in getattr(config, "extra", {}):
-        notes.append("0 GPU layers: mixture-of-experts layers run on the CPU only, for now")
-        return 0, "cpu"
     if budgets.gpu <= 0:
         notes.append(f"0 GPU layers: no GPU memory to plan for ({budgets.gpu_source}); "
                      "pass --vram SIZE to plan for one")
@@ -501,8 +607,8 @@ def remedies(config, sizes: WeightSizes, p: Plan, budgets: Budgets,
     the GPU layer count. Each is tried alone from `p`."""
     s = p.shape
 
-    def fits(sizes=sizes, n_gpu=p.n_gpu_layers, output_device=p.output_device, shape=s) -> bool:
-        cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs)
+    def fits(sizes=sizes, n_gpu=p.n_gpu_layers, output_device=p.output_device, shape=s, experts=p.experts) -> bool:
+        cpu, gpu = ledgers(config, sizes, n_gpu, output_device, shape, budgets, costs, experts)
         return cpu.fits and gpu.fits
 
     def kv(shape: RunShape) -> str:
@@ -524,15 +630,24 @@ def remedies(config, sizes: WeightSizes, p: Plan, budgets: Budgets,
     if quant:
         out.append(quant)
 
+    if not p.gpu.fits and "gpu" in p.experts:  # experts of the first blocks on the CPU
+        for n in range(1, config.n_layer + 1):
+            experts = expert_devices(p.layers, {}, n)
+            cpu, gpu = ledgers(config, sizes, p.n_gpu_layers, p.output_device, s, budgets, costs, experts)
+            if cpu.fits and gpu.fits:
+                out.append(f"--n-cpu-moe {n}: GPU total {format_size(p.gpu.total)} -> {format_size(gpu.total)}")
+                break
     if not p.gpu.fits:  # fewer blocks on the GPU; the head leaves it last
         for n in range(p.n_gpu_layers - 1, -1, -1):
-            cpu, gpu = ledgers(config, sizes, n, "gpu" if n else "cpu", s, budgets, costs)
+            experts = expert_devices(layer_devices(config.n_layer, n), {}, 0) if p.experts else ()
+            cpu, gpu = ledgers(config, sizes, n, "gpu" if n else "cpu", s, budgets, costs, experts)
             if cpu.fits and gpu.fits:
                 out.append(f"--gpu-layers {n}: GPU total {format_size(p.gpu.total)} -> {format_size(gpu.total)}")
                 break
     elif budgets.gpu > 0:  # the CPU is short: more blocks on the GPU
         for n in range(p.n_gpu_layers + 1, config.n_layer + 1):
-            cpu, gpu = ledgers(config, sizes, n, "gpu", s, budgets, costs)
+            experts = expert_devices(layer_devices(config.n_layer, n), {}, 0) if p.experts else ()
+            cpu, gpu = ledgers(config, sizes, n, "gpu", s, budgets, costs, experts)
             if cpu.fits and gpu.fits:
                 out.append(f"--gpu-layers {n}: CPU total {format_size(p.cpu.total)} -> {format_size(cpu.total)}")
                 break
@@ -568,11 +683,3 @@ def _refusal(p: Plan) -> str:
     return (f"the plan ({p.layer_map()}, n_ctx {p.shape.n_ctx}) does not fit: " + "; ".join(parts)
             + ". Would fit: " + " | ".join(p.remedies))
 
-
-# ============================================================================ from a file
-def plan_for_file(gf, **kwargs) -> Plan:
-    """Plan a GGUFFile from its header alone (metadata and tensor table; no tensor data is read)."""
-    from edgellm.config import ModelConfig
-
-    config = ModelConfig.from_gguf(gf)
-    return plan(config, WeightSizes.from_tensors(gf.tensors, config.n_layer), **kwargs)

@@ -26,6 +26,7 @@ class StepTiming:
 
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
+    crossings: int = 0  # copies of the step's activations between devices
 
     def add(self, device: str, dt: float) -> None:
         self.seconds[device] = self.seconds.get(device, 0.0) + dt
@@ -127,13 +128,15 @@ class Runtime:
         self.output_device = plan.output_device
         cpu = backends["cpu"]
         module = architecture(cfg.arch)
+        self.expert_devices = list(plan.experts) or list(self.layer_devices)
         self.model = module.Model(cfg, gf, [backends[d] for d in self.layer_devices], backends[self.output_device],
-                                  cpu, n_ctx=n_ctx)
+                                  cpu, n_ctx=n_ctx, expert_backends=[backends[d] for d in self.expert_devices])
+        self.timing = StepTiming()
+        self.model.timing = self.timing
         self.cache = KVCache(cfg, [backends[d] for d in self.layer_devices], n_ctx=n_ctx, n_batch=n_batch,
                              n_seq=self.n_seq, kv_type=shape.kv_type, kv_size=shape.kv_size)
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
         self.seq = None  # the single-context API's sequence (created on first use)
-        self.timing = StepTiming()
         self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
         self._decode_checks = 0
         self._fused_pending = False  # the fused decode kernel was still compiling at the warm-up
@@ -155,6 +158,7 @@ class Runtime:
                 self._warm_up(cpu)
         else:
             self._warm_up(cpu)
+        self.model.offloaded = 0.0
         self._release_compiler()
 
     def _warm_up(self, cpu) -> None:
@@ -255,7 +259,9 @@ class Runtime:
                 t0 = time.perf_counter()
                 x = self.model.block(il, b, x, pos, self.kv[il], rows=rows if il == last else None)
                 b.synchronize()
-                timing.add(b.device, time.perf_counter() - t0)
+                # a split block's experts and crossings are counted on their own (Decoder.offloaded)
+                timing.add(b.device, time.perf_counter() - t0 - self.model.offloaded)
+                self.model.offloaded = 0.0
         if last < 0 and rows is not None:
             x = x[rows]
         ob = self.model.output_backend
@@ -279,6 +285,7 @@ class Runtime:
         y = dst.from_host(src.to_host(x))
         dst.synchronize()
         self.timing.add("transfer", time.perf_counter() - t0)
+        self.timing.crossings += 1
         return y
 
     # --- the single-context API -------------------------------------------------------------------

@@ -66,6 +66,7 @@ class SeqState:
         self.t_first = 0.0
         self.decode_steps = 0
         self.device_s: dict[str, float] = {}
+        self.crossings = 0  # activation copies between devices in the latest decode step
         self.lookup: PromptLookup | None = None  # speculative decoding: the sequence's n-grams
         self.dkv = None  # ... or its sequence in the draft model's cache
         self.draft: DraftLength | None = None  # ... and how many tokens to propose
@@ -428,7 +429,7 @@ class Engine:
                 samplers.append((s, len(rows), 1))
                 rows.append(t - 1)
         timing = self.runtime.timing
-        before = dict(timing.seconds)
+        before, crossed = dict(timing.seconds), timing.crossings
         t0 = now()
         logits = self._forward(entries, rows, hold)
         wall = now() - t0
@@ -440,6 +441,7 @@ class Engine:
                 self.counters["prompt_tokens"] += len(toks)
             else:
                 s.decode_steps += 1
+                s.crossings = timing.crossings - crossed
                 for d, sec in step_s.items():
                     s.device_s[d] = s.device_s.get(d, 0.0) + sec
                 if s.draft is not None and len(work) == 1:
@@ -552,6 +554,7 @@ class Engine:
             st.gen_tps = (st.gen_tokens - 1) / max(t - s.t_first, 1e-9)
         if s.decode_steps:
             st.device_ms = {d: 1000 * sec / s.decode_steps for d, sec in s.device_s.items()}
+            st.crossings = s.crossings
         st.n_past = n_past
         s.history.append(tok)
         if s.lookup is not None:

@@ -97,8 +97,13 @@ class Decoder:
         """Per-block tensor shapes (GGUF ne) that differ from llama's block (validate.expected_shapes)."""
         return {}
 
-    def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend, n_ctx: int | None = None):
+    def __init__(self, cfg, gf, layer_backends, output_backend, embed_backend, n_ctx: int | None = None,
+                 expert_backends=None):
         self.cfg = cfg
+        # where each block's mixture-of-experts tensors live (default: with the block)
+        self.expert_backends = list(expert_backends) if expert_backends else list(layer_backends)
+        self.timing = None  # the runtime's StepTiming: a block's share on another device is added there
+        self.offloaded = 0.0  # seconds of the blocks' work spent on other devices, taken by the runtime
         self.embed_backend = embed_backend
         self._scratch: dict[tuple[int, int], SimpleNamespace] = {}  # (id(backend), n_tok) -> buffers
         self.output_backend = output_backend

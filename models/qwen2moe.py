@@ -19,6 +19,7 @@ class Model(qwen3moe.Model):
     BLOCK_REQUIRED = qwen3moe.Model.BLOCK_REQUIRED + SHARED
     BLOCK_OWN = (*qwen3moe.MOE, "ffn_gate_inp_shexp")
     NORM_TOPK = False
+    CPU_ONLY = True  # the shared expert's FFN runs on host buffers: its layers stay on the CPU
     FILE_TENSORS = qwen2.Model.FILE_TENSORS
     FILE_KEY_LENGTH = False
     FILE_TOKENIZER_PRE = "qwen2"

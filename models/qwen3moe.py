@@ -6,10 +6,16 @@ times their weights, are summed in the order chosen (most probable first), as ll
 Expert products take llama.cpp's MUL_MAT_ID orders: every routed (token, slot) row alone with the
 one-token kernels, except the K-quant types llama.cpp does not repack (Q2_K, Q3_K, Q5_K, Q6_K, and
 Q4_K with rows not a multiple of 8), whose rows routed to one expert go together (the batch order
-from 8 rows on). Runs on the CPU backend.
+from 8 rows on).
+
+The experts may live on another device than the rest of the block (-ot, --cpu-moe, --n-cpu-moe):
+the normed hidden rows cross to the host, the router and routing run there (the router is a host
+array), the experts run on their backend, and their weighted sum crosses back. Experts on the GPU
+take the routed rows gathered on the host, one product per used expert.
 """
 from __future__ import annotations
 
+import time
 from typing import ClassVar
 
 import numpy as np
@@ -46,11 +52,6 @@ class Model(qwen3.Model):
                 "ffn_down_exps": (ff, d, n)}
 
     def _load_block(self, gf, il: int, b):
-        if b.device != "cpu":
-            from edgellm.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"{gf.path}: a mixture-of-experts layer runs on the CPU only, for now: use --gpu-layers 0")
         L = super()._load_block(gf, il, b)
         router = gf.tensor(f"blk.{il}.ffn_gate_inp.weight")
         if router.qtype.name != "F32":
@@ -58,11 +59,12 @@ class Model(qwen3.Model):
 
             raise ModelShapeError(f"{gf.path}: blk.{il}.ffn_gate_inp.weight is {router.qtype.name}; a router is F32")
         L.ffn_gate_inp = np.array(router.as_float32(), dtype=F32, copy=True)  # (n_expert, n_embd)
+        eb = L.expert_backend = self.expert_backends[il]
         for name in EXPERTS:
             t = gf.tensor(f"blk.{il}.{name}.weight")
-            setattr(L, name, [b.weight(t.expert(e)) for e in range(t.ne[2])])
-            if hasattr(b, "bind_experts"):  # all of a tensor's experts in one packed array (decode's kernels)
-                b.bind_experts(getattr(L, name))
+            setattr(L, name, [eb.weight(t.expert(e)) for e in range(t.ne[2])])
+            if hasattr(eb, "bind_experts"):  # all of a tensor's experts in one packed array (decode's kernels)
+                eb.bind_experts(getattr(L, name))
         return L
 
     def configure(self) -> None:
@@ -72,13 +74,55 @@ class Model(qwen3.Model):
         self.moe = cpu._import("moe")  # the routing kernels (looked up once, not per layer and token)
 
     def ffn(self, b, L, s, n: int) -> None:
-        moe = self.moe
-        h = s.h[:n]
+        eb = L.expert_backend
+        if eb is b and b.device == "cpu":
+            self.experts_cpu(b, L, s.h[:n], s.o[:n])
+            return
+        # the block and its experts apart (or experts on the GPU): the rows to the host and back
+        t0 = time.perf_counter()
+        h = b.to_host(s.h[:n])
+        out = np.empty((n, self.cfg.n_embd), F32)
+        t1 = time.perf_counter()
+        (self.experts_cpu if eb.device == "cpu" else self.experts_device)(eb, L, h, out)
+        t2 = time.perf_counter()
+        s.o[:n] = b.from_host(out)
+        b.synchronize()
+        t3 = time.perf_counter()
+        self.timing.add(eb.device, t2 - t1)
+        self.timing.add("transfer", (t1 - t0) + (t3 - t2))
+        self.timing.crossings += 2
+        self.offloaded += t3 - t0
+
+    def route(self, L, h: np.ndarray):
+        """(ids (n, k), weights (n, k)) of host rows h: the router's scores, the k best experts."""
+        logits = np.empty((h.shape[0], len(L.ffn_gate_inp)), F32)
+        self.moe.router_logits(L.ffn_gate_inp, h, logits)
+        return self.moe.route_logits(logits, self.cfg.extra["n_expert_used"], self.NORM_TOPK)
+
+    def experts_device(self, eb, L, h: np.ndarray, acc: np.ndarray) -> None:
+        """acc (n, n_embd, host) = the chosen experts' weighted sum for host rows h, the experts'
+        products on device backend eb: each used expert's rows gathered on the host, one copy in and
+        one out per expert."""
+        cfg = self.cfg
+        n, ff = h.shape[0], cfg.extra["n_ff_exp"]
+        ids, weights = self.route(L, h)
+        out = np.empty((n, ids.shape[1], cfg.n_embd), F32)
+        for e in np.unique(ids):
+            tok, slot = np.nonzero(ids == e)
+            xe = eb.from_host(np.ascontiguousarray(h[tok]))
+            gate, up, down = eb.empty((len(tok), ff)), eb.empty((len(tok), ff)), eb.empty((len(tok), cfg.n_embd))
+            eb.linear_many((L.ffn_gate_exps[e], L.ffn_up_exps[e]), xe, (gate, up))
+            eb.silu_mul(gate, up, gate)
+            eb.linear(L.ffn_down_exps[e], gate, down)
+            out[tok, slot] = eb.to_host(down)
+        _weighted_sum(out, weights, acc)
+
+    def experts_cpu(self, b, L, h: np.ndarray, acc: np.ndarray) -> None:
+        """acc (n, n_embd) = the chosen experts' weighted sum for rows h, on the CPU backend b."""
+        n = h.shape[0]
         cfg = self.cfg
         k, ff = cfg.extra["n_expert_used"], cfg.extra["n_ff_exp"]
-        logits = np.empty((n, len(L.ffn_gate_inp)), F32)
-        moe.router_logits(L.ffn_gate_inp, h, logits)
-        ids, weights = moe.route_logits(logits, k, self.NORM_TOPK)
+        ids, weights = self.route(L, h)
         out = np.empty((n, k, cfg.n_embd), F32)
         if n == 1:  # decode: the backend's fused expert kernels, or the chosen experts' products in turn
             if not b.moe_decode((L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps), ids[0], h, out[0]):
@@ -99,11 +143,15 @@ class Model(qwen3.Model):
                 down = np.empty((len(tok), cfg.n_embd), F32)
                 _products(b, (L.ffn_down_exps[e],), gate, (down,))
                 out[tok, slot] = down
-        out *= weights[:, :, None]
-        acc = s.o[:n]
-        acc[...] = out[:, 0]
-        for j in range(1, k):  # float32 adds in slot order
-            acc += out[:, j]
+        _weighted_sum(out, weights, acc)
+
+
+def _weighted_sum(out: np.ndarray, weights: np.ndarray, acc: np.ndarray) -> None:
+    """acc = sum over slots j of out[:, j] * weights[:, j]: float32 adds in slot order."""
+    out *= weights[:, :, None]
+    acc[...] = out[:, 0]
+    for j in range(1, out.shape[1]):
+        acc += out[:, j]
 
 
 def _products(b, ws, x: np.ndarray, outs) -> None:

@@ -115,16 +115,6 @@ def test_bench_counts_the_experts_a_token_reads(tmp_path):
     assert experts > 0 and weight_bytes(gf, cfg) == weight_bytes(gf) - experts + experts // 4
 
 
-def test_expert_layers_on_the_gpu_are_refused_clearly(tmp_path, monkeypatch):
-    """Until the experts have GPU kernels and per-tensor placement, a mixture-of-experts layer
-    placed on the GPU is one clear error (the CUDA path on the CPU executor stands in for it)."""
-    from edgellm.errors import UnsupportedArchitectureError
-
-    monkeypatch.setenv("EDGELLM_CUDA_EMULATE", "1")
-    with pytest.raises(UnsupportedArchitectureError, match="--gpu-layers 0"):
-        edgellm.load(_moe_file(tmp_path), gpu_layers=1)
-
-
 def test_the_shared_experts_gate_is_a_sigmoid():
     x = np.array([[-8.0], [-0.5], [0.0001], [1.5], [9.0]], F32)
     gate = moe.silu_scalar(x) / x  # qwen2moe's sigmoid, as llama.cpp's graph computes it

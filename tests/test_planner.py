@@ -17,7 +17,6 @@ from edgellm.planner import (
     GPU_RUNTIME_BYTES,
     WeightSizes,
     plan,
-    plan_for_file,
 )
 from edgellm.synthetic import write_synthetic_gguf
 
@@ -351,8 +350,10 @@ def test_plan_human_output_and_exit_code(capsys, sparse_models):
     assert rc == 1 and "does not fit" in out and "1. " in out
 
 
-def test_plan_for_file_matches_plan(sparse_models):
+def test_make_plan_from_the_file_matches_plan(sparse_models):
+    from edgellm.placement import make_plan
+
     gf = sparse_models["13b", "Q8_0"]
-    a = plan_for_file(gf, n_ctx=1024, budgets=BIG)
+    a = make_plan(gf, n_ctx=1024, budgets=BIG)
     b = plan(*facts(gf), n_ctx=1024, budgets=BIG)
     assert a == b

@@ -525,3 +525,14 @@ def test_the_panel_shows_drafted_and_kept_tokens(smollm2_path, monkeypatch):
         run(scenario())
     finally:
         model.close()
+
+
+def test_the_layer_map_draws_a_split_block():
+    """A mixture-of-experts block with its attention on the GPU and its experts on the CPU
+    (--cpu-moe, --n-cpu-moe) is drawn apart from the blocks wholly on one device."""
+    m = LayerMap()
+    m.layers, m.experts, m.output_device = ("cpu",) + ("gpu",) * 4, ("cpu",) * 3 + ("gpu",) * 2, "gpu"
+    assert m.cells() == ["cpu", "split", "split", "gpu", "gpu"]
+    assert m.render().plain.splitlines()[0] == "Layers █gpu2 ▓split2 ▒cpu1 →gpu"
+    m.experts = ()  # a dense model
+    assert m.cells() == ["cpu"] + ["gpu"] * 4

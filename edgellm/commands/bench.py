@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 
 
+from edgellm.commands.flags import placement_kwargs
 from edgellm.machine import machine, machine_bandwidth, stream_bandwidth
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from edgellm.commands.flags import add_flash_attn_argument, gpu_layers_arg
+    from edgellm.commands.flags import add_flash_attn_argument, add_placement_arguments, gpu_layers_arg
 
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="GGUF file or known model name")
     p.add_argument("-p", "--n-prompt", type=int, default=512, metavar="N", help="prompt tokens (pp), default 512")
@@ -25,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="copy the CPU layers' weights into huge-page memory")
     p.add_argument("-b", "--batch", type=int, default=512, metavar="N", help="prompt batch size")
     add_flash_attn_argument(p)
+    add_placement_arguments(p)
     p.add_argument("-d", "--depth", type=int, default=0, metavar="N",
                    help="tokens already in the context before each test (default 0)")
     p.add_argument("--parallel", metavar="LIST", default=None,
@@ -63,7 +65,8 @@ def run(args) -> int:
         return run_parallel(args)
     n_ctx = max(args.depth + args.n_prompt + args.n_gen + 1, 16)
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=n_ctx, n_batch=args.batch,
-                         threads=args.threads, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn)
+                         threads=args.threads, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
+                         **placement_kwargs(args))
     rng = np.random.default_rng(0)
     results = []
     per_pass = weight_bytes(model.gf, model.config)
@@ -155,7 +158,7 @@ def run_parallel(args) -> int:
         raise InvalidArgumentError("--parallel needs -p >= 1 and -n >= 2")
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=args.n_prompt + args.n_gen + 16,
                          n_batch=args.batch, threads=args.threads, n_seq=max(npls), quiet=False,
-                         use_mmap=args.use_mmap, flash_attn=args.flash_attn)
+                         use_mmap=args.use_mmap, flash_attn=args.flash_attn, **placement_kwargs(args))
     bench_parallel(model, max(npls), min(args.n_prompt, 16), 4)  # warm-up: every batch size's kernels
     rows = []
     for n in npls:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from edgellm import sampling
-from edgellm.commands.flags import (add_model_arguments, add_sampling_arguments, add_spec_arguments, kv_type_of,
+from edgellm.commands.flags import (placement_kwargs, add_model_arguments, add_sampling_arguments, add_spec_arguments, kv_type_of,
                                     spec_kwargs)
 from edgellm.errors import InvalidArgumentError
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     # loading screen.
     if hasattr(args, "kv_type_k"):
         args.kv_type = kv_type_of(args)
-    spec = spec_kwargs(args)
+    spec = {**spec_kwargs(args), **placement_kwargs(args)}
     path, compiling = fetch_and_prepare(args.model, gpu_layers=args.gpu_layers,
                                         kv_type=getattr(args, "kv_type", None) or "f16", background=True)
     load_options = {"gpu_layers": args.gpu_layers, "n_ctx": args.ctx, "threads": args.threads,

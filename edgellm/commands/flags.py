@@ -60,6 +60,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     mm.add_argument("--no-mmap", dest="use_mmap", action="store_const", const=False,
                     help="copy the CPU layers' weights into huge-page memory (faster decode)")
     add_flash_attn_argument(parser)
+    add_placement_arguments(parser)
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's placement per tensor: -ot/--override-tensor, --cpu-moe, --n-cpu-moe."""
+    p.add_argument("-ot", "--override-tensor", action="append", default=[], metavar="REGEX=DEVICE",
+                   dest="override_tensor",
+                   help="put the tensors whose name matches REGEX on DEVICE (CPU or CUDA0); several allowed, the "
+                        "first match wins. edgellm places a mixture-of-experts layer's experts (ffn_*_exps) this "
+                        "way, e.g. -ot 'exps=CPU'")
+    p.add_argument("--cpu-moe", "-cmoe", action="store_true",
+                   help="keep every mixture-of-experts layer's experts on the CPU (the rest may go to the GPU)")
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
+                   help="keep the experts of the first N layers on the CPU")
+
+
+def placement_kwargs(args) -> dict:
+    """load()'s placement arguments from the flags (checked now: a bad regex or device is an error
+    before any model loads)."""
+    from edgellm.placement import tensor_overrides
+
+    kw = dict(tensor_overrides=list(getattr(args, "override_tensor", None) or []),
+              cpu_moe=bool(getattr(args, "cpu_moe", False)), n_cpu_moe=getattr(args, "n_cpu_moe", 0))
+    tensor_overrides(kw["tensor_overrides"], cpu_moe=kw["cpu_moe"], n_cpu_moe=kw["n_cpu_moe"])
+    return kw
 
 
 def add_flash_attn_argument(parser: argparse.ArgumentParser) -> None:

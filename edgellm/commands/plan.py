@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgellm.commands.flags import add_kv_type_arguments, gpu_layers_arg, kv_type_of
+from edgellm.commands.flags import add_kv_type_arguments, add_placement_arguments, gpu_layers_arg, kv_type_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--gpu-layers", type=gpu_layers_arg, default="auto",
                    help="blocks on the GPU: N, -1 (all) or auto (default auto)")
     add_kv_type_arguments(p)
+    add_placement_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (see docs/plan-json.md)")
 
 
@@ -42,32 +43,33 @@ def run(args: argparse.Namespace) -> int:
 
     from edgellm.config import ModelConfig
     from edgellm.gguf_file import GGUFFile
-    from edgellm.memory import detect_budgets
-    from edgellm.placement import cpu_only_gpu_layers, with_note
-    from edgellm.planner import WeightSizes, plan
-    from edgellm.quality.store import measured_types
+    from edgellm.placement import make_plan, tensor_groups, tensor_overrides
+    from edgellm.planner import WeightSizes
 
+    rules = tensor_overrides(args.override_tensor, cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe)
     gf = GGUFFile(resolve_model(args.model))
     config = ModelConfig.from_gguf(gf)
     sizes = WeightSizes.from_tensors(gf.tensors, config.n_layer)
-    budgets = detect_budgets(vram=args.vram, ram=args.ram)
-    gpu_layers, note = cpu_only_gpu_layers(gf, args.gpu_layers)
-    p = with_note(plan(config, sizes, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args),
-                       kv_size=args.kv_size, gpu_layers=gpu_layers, budgets=budgets, check=False,
-                       measured=measured_types(gf)), note)
+    p = make_plan(gf, config, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs,
+                  kv_type=kv_type_of(args), kv_size=args.kv_size, vram=args.vram, ram=args.ram, overrides=rules,
+                  check=False)
+    groups = tensor_groups(gf.tensors, p)
     if args.json:
         out = {"model": str(gf.path), "arch": config.arch, "n_layer": config.n_layer,
-               "bits_per_weight": round(sizes.bits_per_weight, 3), **p.to_json()}
+               "bits_per_weight": round(sizes.bits_per_weight, 3), **p.to_json(), "tensor_groups": groups}
         print(json.dumps(out, indent=2))
     else:
-        print(render(p, config, sizes, gf.path.name))
+        print(render(p, config, sizes, gf.path.name, groups))
     return 0 if p.fits else 1
 
 
 ROWS = ("weights", "kv_cache", "activations", "runtime", "margin", "total", "budget")
 
 
-def render(p, config, sizes, name: str) -> str:
+GROUPS = ("embeddings", "attention", "norms", "ffn", "router", "experts", "shared expert", "head", "other")
+
+
+def render(p, config, sizes, name: str, groups: dict | None = None) -> str:
     from edgellm.memory import format_size
 
     s = p.shape
@@ -83,6 +85,13 @@ def render(p, config, sizes, name: str) -> str:
     lines.append(f"{'left':<13}" + "".join(f"{format_size(l.budget - l.total):>14}" for l in (p.cpu, p.gpu)))
     lines.append(f"budget from: CPU {p.cpu.budget_source}; GPU {p.gpu.budget_source}")
     lines += ["", f"layers: {p.layer_map()} ({p.n_gpu_layers} of {config.n_layer} blocks on the GPU)"]
+    if p.experts:
+        lines.append(f"experts: {p.expert_map()} ({p.experts.count('gpu')} of {config.n_layer} on the GPU); "
+                     "router on the CPU")
+    if groups and p.experts:  # where each group of tensors is, in bytes
+        lines += ["", f"{'weights':<13}{'CPU':>14}{'GPU':>14}"]
+        lines += [f"{g:<13}" + "".join(f"{format_size(groups[g].get(d, 0)):>14}" for d in ("cpu", "gpu"))
+                  for g in GROUPS if g in groups]
     lines += [f"note: {n}" for n in p.notes]
     if p.fits:
         lines.append("verdict: fits")

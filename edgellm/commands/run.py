@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edgellm.commands.flags import (add_grammar_arguments, add_kv_type_arguments, add_model_arguments,
+from edgellm.commands.flags import (placement_kwargs, add_grammar_arguments, add_kv_type_arguments, add_model_arguments,
                                     add_sampling_arguments, add_spec_arguments, grammar_kwargs, kv_type_of,
                                     spec_kwargs)
 from edgellm.sampling import MAX_TOKENS
@@ -50,7 +50,7 @@ def run(args) -> int:
 
     if args.n_predict < -1:
         raise InvalidArgumentError(f"-n must be >= -1 (-1: until the context is full), got {args.n_predict}")
-    spec = spec_kwargs(args)
+    spec = {**spec_kwargs(args), **placement_kwargs(args)}
     constrained = grammar_kwargs(args)
     from edgellm.precompile import fetch_and_prepare
 
@@ -119,6 +119,7 @@ def summary(s) -> str:
     return (f"\nprompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated {s.gen_tokens} tok, "
             f"{s.gen_tps:.1f} tok/s, {s.tpot_ms:.1f} ms/token | ttft {s.ttft_s * 1000:.0f} ms"
             + (f" | ms/token: {devices}" if devices else "")
+            + (f" ({s.crossings} crossings a token)" if getattr(s, "crossings", 0) else "")
             + (f" | draft {s.draft_n_accepted}/{s.draft_n} accepted" if getattr(s, "draft_n", 0) else ""))
 
 
@@ -126,7 +127,7 @@ def print_plan(model, f) -> None:
     from edgellm.memory import format_size
 
     p = model.plan
-    print(f"plan: {p.layer_map()}", file=f)
+    print(f"plan: {p.layer_map()}" + (f"; experts: {p.expert_map()}" if p.split_layers else ""), file=f)
     measured = model.memory()
     for dev, ledger in p.devices.items():
         if dev not in measured and not ledger.weights:

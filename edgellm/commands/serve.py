@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 
-from edgellm.commands.flags import add_model_arguments, add_spec_arguments, spec_kwargs
+from edgellm.commands.flags import add_model_arguments, add_spec_arguments, placement_kwargs, spec_kwargs
 from edgellm.errors import EdgeLLMError, InvalidArgumentError
 
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
@@ -56,7 +56,7 @@ def _check(args) -> None:
             raise InvalidArgumentError(f"{flag} must be >= {lo}, got {v}")
     if args.port > 65535:
         raise InvalidArgumentError(f"--port must be <= 65535, got {args.port}")
-    args.spec = spec_kwargs(args)
+    args.spec = {**spec_kwargs(args), **placement_kwargs(args)}
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -359,14 +359,14 @@ class CPUBackend(NumpyBackend):
         self._bound.update(packed)
         self._fused.clear()
         self._stacks.clear()
-        for L, b in zip(model.blocks, model.layer_backends):
-            if b is self:
-                for name, w in list(vars(L).items()):
-                    if isinstance(w, QMatrix):
-                        setattr(L, name, self._resident(w))
-                    elif isinstance(w, list) and id(w) not in self._experts:  # a mixture of experts'
-                        # matrices (bind_experts' lists are in one array already), in place
-                        w[:] = [self._resident(e) if isinstance(e, QMatrix) else e for e in w]
+        experts = getattr(model, "expert_backends", model.layer_backends)
+        for L, b, eb in zip(model.blocks, model.layer_backends, experts):
+            for name, w in list(vars(L).items()):
+                if isinstance(w, QMatrix) and b is self:
+                    setattr(L, name, self._resident(w))
+                elif isinstance(w, list) and eb is self and id(w) not in self._experts:  # a mixture of
+                    # experts' matrices (bind_experts' lists are in one array already), in place
+                    w[:] = [self._resident(e) if isinstance(e, QMatrix) else e for e in w]
         if model.output_backend is self and isinstance(model.output, QMatrix):
             if not self._packed(model.output):
                 head = dataclasses.replace(model.output, data=self.arena.copy(model.output.data))

@@ -120,6 +120,7 @@ class StatsPanel(VerticalScroll):
         self.n_ctx = model.n_ctx
         layer_map = self.query_one(LayerMap)
         layer_map.layers = tuple(model.plan.layers)
+        layer_map.experts = tuple(getattr(model.plan, "experts", ()))
         layer_map.output_device = model.plan.output_device
         set_text(self.query_one("#ctx", Static), f"ctx 0 / {self.n_ctx}")
         self.cpu_read = int(model.weights_read_per_token().get("cpu", 0))
