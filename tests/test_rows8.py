@@ -154,3 +154,67 @@ def test_outlined_kernels_are_calls_of_their_own_with_the_same_bits():
     assert {n.split(".")[1] for n in names} == {"il8_q4_k", "rowdot_q6_k"}, names
     assert all(re.search(rf"call [^@]*@\"?{re.escape(n)}\"?\(", ir_out) for n in names)  # called, not inlined
     assert "edgellm." not in ir_in  # the plain intrinsics stay inlined
+
+
+@pytest.mark.parametrize("n_tok", [2, 3, 4])
+def test_several_tokens_over_packed_q4_k_get_each_ones_bits(n_tok):
+    """il8x2 / il8x3 / il8n4_q4_k (a verification step's rows: the weights read once for two to
+    four tokens) give each token il8_q4_k's result alone, bit for bit, and so the one-row kernel's."""
+    from edgellm.kernels.cpu import kquants, rows8
+    from edgellm.kernels.cpu.common import U, njit
+
+    cpu, one_row_products = kernels()
+    rng = np.random.default_rng(300 + n_tok)
+    n_rows, n_cols = 24, 1536
+    raw = random_rows(GGMLType.Q4_K, n_rows, n_cols, seed=20 + n_tok)
+    packed = kquants.pack8_q4_k(raw)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, ::13] *= 30.0
+    xq, xd, xs = cpu.bind(GGMLType.Q4_K, raw, n_cols).quantize_batch(x).parts[:3]
+    many = {2: rows8.il8x2_q4_k, 3: rows8.il8x3_q4_k, 4: rows8.il8n4_q4_k}[n_tok]
+    nb, rb = U(n_cols // 256), U(packed.shape[1])
+
+    @njit(cache=False)
+    def run(packed, xq, xd, xs, alone, together):
+        for g in range(packed.shape[0] // 8):
+            for t in range(n_tok):
+                rows8.il8_q4_k(packed, U(8 * g) * rb, xq, xd, xs, U(t) * nb, nb, alone, U(t * n_rows + 8 * g))
+            many(packed, U(8 * g) * rb, xq, xd, xs, U(0), nb, together, U(8 * g), U(n_rows))
+
+    alone, together = (np.full(n_tok * n_rows, np.nan, np.float32) for _ in range(2))
+    run(packed, xq, xd, xs, alone, together)
+    ref = np.full((n_tok, n_rows), np.nan, np.float32)
+    one_row_products(1, raw, xq, xd, xs, n_tok, ref)
+    assert not np.isnan(together).any()
+    assert np.array_equal(together.view(np.uint32), alone.view(np.uint32))
+    assert np.array_equal(together.view(np.uint32), ref.reshape(-1).view(np.uint32))
+
+
+@pytest.mark.parametrize("n_tok", [2, 3, 4, 5, 7])
+def test_q6_k_rows_for_several_tokens_get_each_ones_bits(n_tok):
+    """rows_q6_k (a verification step's head and Q6_K rows: each row unpacked once for up to four
+    tokens, rowdot.rowdotx2 / x4_q6_k) gives every (token, row) rowdot_q6_k's one-token result."""
+    from edgellm.kernels.cpu import kquants
+    from edgellm.kernels.cpu.common import U, njit
+    from edgellm.kernels.cpu.rowdot import rowdot_q6_k
+
+    cpu, _ = kernels()
+    rng = np.random.default_rng(400 + n_tok)
+    n_rows, n_cols = 37, 1536
+    raw = random_rows(GGMLType.Q6_K, n_rows, n_cols, seed=40 + n_tok)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, ::7] *= 20.0
+    xq, xd, xs, xm = cpu.bind(GGMLType.Q6_K, raw, n_cols).quantize_batch(x).parts[:4]
+    got = np.full((n_tok, n_rows), np.nan, np.float32)
+    kquants.rows_q6_k(raw, xq, xd, xs, xm, got)
+
+    @njit(cache=False)
+    def one_by_one(raw, xq, xd, xs, out):
+        nb = U(xd.size // out.shape[0])
+        for t in range(out.shape[0]):
+            for r in range(raw.shape[0]):
+                out[t, r] = rowdot_q6_k(raw[r], U(0), xq, U(t) * nb * U(256), xd, xs, U(t) * nb, nb)
+
+    ref = np.full((n_tok, n_rows), np.nan, np.float32)
+    one_by_one(raw, xq, xd, xs, ref)
+    assert not np.isnan(got).any() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))

@@ -40,9 +40,11 @@ from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q8_0
 # into decode_layers, which holds every K-quant's kernels when one is present, they ran 10-40 %
 # slower than alone. The legacy types' kernels stay inlined: a call per row of a small model's few
 # blocks costs more than it saves (SmolLM2 Q4_1 decode 0.81x outlined; 1B Q4_0 0.97x).
-rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, il8_q4_k, rows8_q4_k = (
+(rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, rowdotx2_q6_k, rowdotx4_q6_k, il8_q4_k, rows8_q4_k, il8x2_q4_k,
+ il8x3_q4_k, il8n4_q4_k) = (
     outlined(k) for k in (rowdot.rowdot_q2_k, rowdot.rowdot_q3_k, rowdot.rowdot_q5_k, rowdot.rowdot_q6_k,
-                          rows8.il8_q4_k, rows8.rows8_q4_k))
+                          rowdot.rowdotx2_q6_k, rowdot.rowdotx4_q6_k, rows8.il8_q4_k, rows8.rows8_q4_k,
+                          rows8.il8x2_q4_k, rows8.il8x3_q4_k, rows8.il8n4_q4_k))
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
@@ -138,6 +140,38 @@ def _rows_for(present: frozenset):
         r1 = min(r0 + CHUNK, w.shape[0])
         rb, n_out = U(w.shape[1]), U(w.shape[0])
         n32, nk = U(n_in // 32), U(n_in // 256)
+        if has_q4_k8 and tid == Q4_K8:  # packed by eight: up to four tokens per read of the rows
+            for r in range(r0, r1, 8):
+                t = 0
+                while t < n_tok:
+                    m = min(n_tok - t, 4)
+                    b0, o0 = U(t) * nk, U(t) * n_out + U(r)
+                    if m == 4:
+                        il8n4_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], b0, nk, out, o0, n_out)
+                    elif m == 3:
+                        il8x3_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], b0, nk, out, o0, n_out)
+                    elif m == 2:
+                        il8x2_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], b0, nk, out, o0, n_out)
+                    else:
+                        il8_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], b0, nk, out, o0)
+                    t += m
+            return
+        if has_q6_k and tid == Q6_K:  # each row's codes unpacked once for up to four tokens
+            for r in range(r0, r1):
+                t = 0
+                while t < n_tok:
+                    m = n_tok - t
+                    xo, bk, oo = U(t) * U(n_in), U(t) * nk, U(t) * n_out + U(r)
+                    if m >= 4:
+                        rowdotx4_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk, out, oo, n_out)
+                        t += 4
+                    elif m >= 2:
+                        rowdotx2_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk, out, oo, n_out)
+                        t += 2
+                    else:
+                        out[oo] = rowdot_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
+                        t += 1
+            return
         for t in range(U(n_tok)):
             xo, b32, bk, oo = t * U(n_in), t * n32, t * nk, t * n_out
             if has_q4_1 and tid == Q4_1:
@@ -164,18 +198,12 @@ def _rows_for(present: frozenset):
             elif has_q5_k and tid == Q5_K:
                 for r in range(r0, r1):
                     out[oo + r] = rowdot_q5_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
-            elif has_q6_k and tid == Q6_K:
-                for r in range(r0, r1):
-                    out[oo + r] = rowdot_q6_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
             elif has_q3_k and tid == Q3_K:
                 for r in range(r0, r1):
                     out[oo + r] = rowdot_q3_k(w, U(r) * rb, ak[0], xo, ak[1], bk, nk)
             elif has_q2_k and tid == Q2_K:
                 for r in range(r0, r1):
                     out[oo + r] = rowdot_q2_k(w, U(r) * rb, ak[0], xo, ak[1], ak[2], bk, nk)
-            elif has_q4_k8 and tid == Q4_K8:  # packed by eight: n_rows and CHUNK multiples of 8
-                for r in range(r0, r1, 8):
-                    il8_q4_k(w, U(r) * rb, ak[0], ak[1], ak[2], bk, nk, out, oo + U(r))
             elif has_q4_k and tid == Q4_K:
                 r8 = r0 + (r1 - r0) // 8 * 8
                 for r in range(r0, r8, 8):

@@ -27,7 +27,8 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U, dot32_field, f16_to_f32,
                                         fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, sbdot1,
+from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, rowdotx2_q6_k,
+                                        rowdotx4_q6_k, sbdot1,
                                         sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
                                         unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
 from edgellm.kernels.cpu.rows8 import _P_D, _P_DMIN, _P_MN, _P_SC, Q4_K8_SB, il8_q4_k, il8x4_q4_k, rows8_q4_k
@@ -612,12 +613,34 @@ def rows_q5_k(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def rows_q6_k(raw, xq, xd, xs, xm, out):
+    """Each row's codes unpacked once for up to four tokens (rowdot.rowdotx4_q6_k: the one-token
+    kernel's bits)."""
     n_tok, n = out.shape[0], raw.shape[0]
-    nb = U(xd.size // n_tok)
+    nb, ns = U(xd.size // n_tok), U(n)
+    flat = out.reshape(-1)
     for c in prange((n + 15) // 16):
-        for t in range(n_tok):
-            for r in range(c * 16, min(c * 16 + 16, n)):
-                out[t, r] = rowdot_q6_k(raw[r], U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb)
+        for r in range(c * 16, min(c * 16 + 16, n)):
+            q6_k_tokens(raw[r], xq, xd, xs, nb, n_tok, flat, U(r), ns)
+
+
+@njit(inline="always")
+def q6_k_tokens(w, xq, xd, xs, nb, n_tok, out, out_off, out_stride):
+    """Row w (at byte 0) times n_tok tokens' Q8_K activations (token t's blocks at t nb) into
+    out[out_off + t out_stride]: four, then two, then one at a time."""
+    t = 0
+    while t < n_tok:
+        m = n_tok - t
+        if m >= 4:
+            rowdotx4_q6_k(w, U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb, out, out_off + U(t) * out_stride,
+                          out_stride)
+            t += 4
+        elif m >= 2:
+            rowdotx2_q6_k(w, U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb, out, out_off + U(t) * out_stride,
+                          out_stride)
+            t += 2
+        else:
+            out[out_off + U(t) * out_stride] = rowdot_q6_k(w, U(0), xq, U(t) * nb * U(QK_K), xd, xs, U(t) * nb, nb)
+            t += 1
 
 
 MATMUL = {GGMLType.Q2_K: _batch_product(2, GGMLType.Q2_K, rows_q2_k),

@@ -388,6 +388,71 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     return sig, codegen
 
 
+def _rowdotn_q6_k(n_tok: int):
+    """rowdot_q6_k for n_tok tokens at once: rowdotn(w, w_off, xq, x_off, xd, xs, b_off, nb, out,
+    out_off, out_stride), token t's Q8_K blocks at b_off + t nb (its values at x_off + 256 t nb),
+    its result at out[out_off + t out_stride]. Each token's steps are rowdot_q6_k's, so each result
+    is rowdot_q6_k's bit for bit; the row's codes are unpacked once for all of them."""
+    u64 = types.uint64
+
+    @intrinsic
+    def rowdotn_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb, out, out_off, out_stride):
+        sig = types.void(w, u64, xq, u64, xd, xs, u64, u64, out, u64, u64)
+
+        def codegen(context, builder, signature, args):
+            w_, w_off_, xq_, x_off_, xd_, xs_, b_off_, nb_, out_, out_off_, out_stride_ = args
+            wp = _ptr(context, builder, signature.args[0], w_)
+            xp = _ptr(context, builder, signature.args[2], xq_)
+            dp = _ptr(context, builder, signature.args[4], xd_)
+            sp = _ptr(context, builder, signature.args[5], xs_)
+            op = _ptr(context, builder, signature.args[8], out_)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(n_tok)]
+            with cgutils.for_range(builder, nb_) as loop:
+                i = loop.index
+                o = builder.add(w_off_, builder.mul(i, const(210)))
+                _prefetch_row(builder, wp, o, 210)
+                sc16 = builder.sext(_load_vec(builder, wp, builder.add(o, const(192)), _i8(16)), _i16(16))
+                dw = _load_half(builder, wp, builder.add(o, const(208)))
+                sumi = [ir.Constant(_i32(8), [0] * 8)] * n_tok
+                for h in range(2):
+                    qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
+                    ql = [_load_vec(builder, wp, builder.add(o, const(64 * h + 32 * k)), _i8(32)) for k in (0, 1)]
+                    for t in range(4):
+                        lo = ql[t % 2] if t < 2 else builder.lshr(ql[t % 2], ir.Constant(_i8(32), [4] * 32))
+                        lo = builder.and_(lo, ir.Constant(_i8(32), [15] * 32))
+                        hi = builder.and_(builder.shl(qh, ir.Constant(_i8(32), [4 - 2 * t] * 32)) if t < 2 else
+                                          builder.lshr(qh, ir.Constant(_i8(32), [2 * t - 4] * 32)),
+                                          ir.Constant(_i8(32), [48] * 32))
+                        q = builder.or_(lo, hi)
+                        g = 8 * h + 2 * t
+                        sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
+                        for k in range(n_tok):
+                            xo = builder.add(x_off_, builder.mul(builder.add(builder.mul(const(k), nb_), i),
+                                                                 const(256)))
+                            y = _load_vec(builder, xp, builder.add(xo, const(128 * h + 32 * t)), _i8(32))
+                            sumi[k] = builder.add(sumi[k], _pair_scaled(builder, q, y, sc))
+                for k in range(n_tok):
+                    bi = builder.add(b_off_, builder.add(builder.mul(const(k), nb_), i))
+                    xs16 = builder.trunc(_load_vec(builder, sp, builder.mul(bi, const(16)), _i32(16)), _i16(16))
+                    offs = builder.shl(_madd16(builder, sc16, xs16), ir.Constant(_i32(8), [5] * 8))
+                    d = builder.fmul(builder.load(builder.gep(dp, [bi])), dw)
+                    acc = _fma(builder, _splat(builder, d, _V8F), builder.sitofp(builder.sub(sumi[k], offs), _V8F),
+                               builder.load(accs[k]))
+                    builder.store(acc, accs[k])
+            for k in range(n_tok):
+                at = builder.add(out_off_, builder.mul(const(k), out_stride_))
+                builder.store(_hsum8(builder, builder.load(accs[k])), builder.gep(op, [at]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return rowdotn_q6_k
+
+
+# one-token-order Q6_K rows for two and four tokens (a verification step's rows)
+rowdotx2_q6_k, rowdotx4_q6_k = _rowdotn_q6_k(2), _rowdotn_q6_k(4)
+
+
 def sbdot_tile(n_tok, with_min):
     """Exact integer sums of K-quant super-blocks unpacked to unsigned codes, for n_tok tokens:
 

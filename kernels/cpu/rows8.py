@@ -17,6 +17,8 @@ order. So each output is the one-row kernel's, bit for bit, and eight row stream
         # rows8_q4_k's results from eight rows packed by kquants.pack8_q4_k
     il8x4_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
         # four tokens over packed rows (gemm order)
+    il8x2_q4_k / il8x3_q4_k / il8n4_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
+        # il8_q4_k's results (its order) for two, three, four tokens, the weights read once
 
 w: uint8 weights, row r (0..7) at byte w_off + r * rb; activations as in the one-row kernels
 (Q8_0 "q8_32" parts with xs the block sums, or Q8_K parts with xs the 16-value sums), block i at
@@ -329,6 +331,67 @@ def il8_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _il8n_q4_k(n_tok: int):
+    """il8_q4_k for n_tok tokens at once (token t's super-blocks at b_off + t nb, its results at
+    out_off + t out_stride): each token's integer and float steps are il8_q4_k's, so its results
+    are il8_q4_k's bit for bit; the weights' loads, nibble splits and scales are shared."""
+    u64 = types.uint64
+
+    @intrinsic
+    def il8n_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
+        sig = types.void(w, u64, xq, xd, xs, u64, u64, out, u64, u64)
+
+        def codegen(context, builder, signature, args):
+            w_off_, b_off_, nb_, out_off_, out_stride_ = args[1], args[5], args[6], args[8], args[9]
+            wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 2, 3, 4, 7))
+            zero = ir.Constant(_V8F, [0.0] * 8)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(n_tok)]
+            accms = [cgutils.alloca_once_value(builder, zero) for _ in range(n_tok)]
+            with cgutils.for_range(builder, nb_) as loop:
+                j = loop.index
+                o = builder.add(w_off_, builder.mul(j, const(Q4_K8_SB)))
+                if PACKED_AHEAD:
+                    _prefetch(builder, wp, builder.add(o, const(PACKED_AHEAD * Q4_K8_SB)), Q4_K8_SB - 64)
+                its = [builder.add(builder.add(b_off_, builder.mul(const(t), nb_)), j) for t in range(n_tok)]
+                pairs = []
+                for i in its:  # x's sums per 32, as il8_q4_k takes them
+                    s16 = _load_vec(builder, sp, builder.mul(i, const(16)), _i32(16))
+                    s32 = builder.add(builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(0, 16, 2)))),
+                                      builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(1, 16, 2)))))
+                    pairs.append(builder.bitcast(builder.trunc(s32, _i16(8)), _i32(4)))
+                isum, msum = [None] * n_tok, [None] * n_tok
+                for c in range(4):
+                    steps = _packed_steps(builder, wp, o, c, [_x4(builder, xp, builder.mul(i, const(256))) for i in its])
+                    scales = (_packed_scale(builder, wp, o, 2 * c), _packed_scale(builder, wp, o, 2 * c + 1))
+                    mins = _packed_mins(builder, wp, o, c)
+                    for t in range(n_tok):
+                        for a16, sc in zip(steps[t], scales):
+                            p = _madd16(builder, a16, sc)
+                            isum[t] = p if isum[t] is None else builder.add(isum[t], p)
+                        xpair = _splat(builder, builder.extract_element(pairs[t], ir.Constant(_I32, c)), _i32(8))
+                        p = _madd16(builder, mins, builder.bitcast(xpair, _i16(16)))
+                        msum[t] = p if msum[t] is None else builder.add(msum[t], p)
+                dw = _halves_lanes(builder, wp, builder.add(o, const(_P_D)))
+                dmw = _halves_lanes(builder, wp, builder.add(o, const(_P_DMIN)))
+                for t, i in enumerate(its):
+                    dx = _splat(builder, builder.load(builder.gep(dp, [i])), _V8F)
+                    d, dmin = builder.fmul(dw, dx), builder.fmul(dmw, dx)
+                    builder.store(_fma(builder, builder.sitofp(isum[t], _V8F), d, builder.load(accs[t])), accs[t])
+                    builder.store(_fma(builder, builder.sitofp(msum[t], _V8F), dmin, builder.load(accms[t])), accms[t])
+            for t in range(n_tok):
+                res = builder.fsub(builder.load(accs[t]), builder.load(accms[t]))
+                _store8(builder, op, builder.add(out_off_, builder.mul(const(t), out_stride_)), res)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return il8n_q4_k
+
+
+# one-token-order products of 2, 3 and 4 tokens over packed Q4_K rows (a verification step's rows)
+il8x2_q4_k, il8x3_q4_k, il8n4_q4_k = (_il8n_q4_k(n) for n in (2, 3, 4))
 
 
 @intrinsic
