@@ -218,3 +218,33 @@ def test_q6_k_rows_for_several_tokens_get_each_ones_bits(n_tok):
     ref = np.full((n_tok, n_rows), np.nan, np.float32)
     one_by_one(raw, xq, xd, xs, ref)
     assert not np.isnan(got).any() and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("n_cols", [896, 2048])
+def test_q5_0_rows_by_eight_equal_the_one_row_kernel(n_cols):
+    """rows8_q5_0 (the decode step's Q5_0 rows, eight at a time: Qwen2.5-0.5B's 896-wide rows are
+    Q5_0 in its Q4_K_M file) gives each row rowdot_q5_0's result bit for bit."""
+    from edgellm.kernels.cpu import rows8
+    from edgellm.kernels.cpu.common import U, njit
+    from edgellm.kernels.cpu.rowdot import rowdot_q5_0
+
+    cpu, _ = kernels()
+    rng = np.random.default_rng(n_cols)
+    n_rows = 24
+    raw = random_rows(GGMLType.Q5_0, n_rows, n_cols, seed=n_cols)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    x[::9] *= 25.0
+    xq, xd = activations(GGMLType.Q5_0, x)[:2]
+    nb, rb = U(n_cols // 32), U(raw.shape[1])
+
+    @njit(cache=False)
+    def run(raw, xq, xd, eight, one):
+        flat = raw.reshape(-1)
+        for g in range(raw.shape[0] // 8):
+            rows8.rows8_q5_0(flat, U(8 * g) * rb, rb, xq, U(0), xd, U(0), nb, eight, U(8 * g))
+        for r in range(raw.shape[0]):
+            one[r] = rowdot_q5_0(flat, U(r) * rb, xq, U(0), xd, U(0), nb)
+
+    eight, one = np.full(n_rows, np.nan, np.float32), np.full(n_rows, np.nan, np.float32)
+    run(raw, xq, xd, eight, one)
+    assert not np.isnan(eight).any() and np.array_equal(eight.view(np.uint32), one.view(np.uint32))

@@ -13,6 +13,7 @@ order. So each output is the one-row kernel's, bit for bit, and eight row stream
     rows8_q4_k(w, w_off, rb, xq, xd, xs, b_off, nb, out, out_off)
     il8x4_q4_0(codes, dws, g_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
         # four tokens, Q4_0 rows interleaved by legacy.interleave8_q4_0
+    rows8_q5_0(w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off)   # as rows8_q8_0
     il8_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off)
         # rows8_q4_k's results from eight rows packed by kquants.pack8_q4_k
     il8x4_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
@@ -221,6 +222,47 @@ def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
                 xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
                 d = _splat(builder, builder.fmul(d0, d1), _V8F)
                 builder.store(_fma(builder, d, xy, builder.load(accs[r])), accs[r])
+        for r in range(8):
+            builder.store(_hsum8(builder, builder.load(accs[r])), builder.gep(op, [builder.add(out_off_, const(r))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_Q5_0_BYTES = 22
+
+
+@intrinsic
+def rows8_q5_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
+    """out[out_off + r] for the Q5_0 rows r = 0..7 at w_off + r rb: what rowdot_q5_0 gives each (x
+    in Q8_0 form, as for rows8_q8_0): each row's steps are rowdot_q5_0's, x's block loaded once."""
+    sig = types.void(w, types.uint64, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64, out,
+                     types.uint64)
+
+    def codegen(context, builder, signature, args):
+        from edgellm.kernels.cpu.rowdot import _abs_sign, _bits_spread, _hsum8, _load_half, _nibbles
+
+        w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
+        wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
+        block = _Q5_0_BYTES
+        rows, ahead = _group(builder, w_off_, rb_)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
+        zero, f0 = ir.Constant(_i8(32), [0] * 32), ir.Constant(_i8(32), [0xF0] * 32)
+        with cgutils.for_range(builder, nb_) as loop:
+            j = loop.index
+            _ahead(builder, wp, ahead, j, block)
+            d1 = builder.load(builder.gep(dp, [builder.add(b_off_, j)]))
+            qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(j, const(32))), _i8(32))
+            for r in range(8):
+                o = builder.add(rows[r], builder.mul(j, const(block)))
+                d0 = _load_half(builder, wp, o)
+                qh = _load_vec(builder, wp, builder.add(o, const(2)), _I32)
+                qx = builder.or_(_nibbles(builder, wp, builder.add(o, const(6))),
+                                 builder.select(_bits_spread(builder, qh), zero, f0))
+                ax, sy = _abs_sign(builder, qx, qy)
+                xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
+                builder.store(_fma(builder, _splat(builder, builder.fmul(d0, d1), _V8F), xy, builder.load(accs[r])),
+                              accs[r])
         for r in range(8):
             builder.store(_hsum8(builder, builder.load(accs[r])), builder.gep(op, [builder.add(out_off_, const(r))]))
         return context.get_dummy_value()
