@@ -394,7 +394,7 @@ class Engine:
             s.idle_steps += 1
             if (s.idle_steps >= s.probe_every and available >= max(self.spec.n_min, 1)
                     and s.draft.could_pay(available)):
-                s.idle_steps, k = 0, available
+                s.idle_steps, k = 0, s.draft.probe_length(available)
                 s.probe_every = min(2 * s.probe_every, PROBE_MAX)
         elif k:
             s.probe_every = PROBE_EVERY

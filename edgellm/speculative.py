@@ -110,6 +110,22 @@ def verify(sample, rows, proposal: list[int], history: list[int]) -> list[int]:
 
 
 # --- when to speculate ------------------------------------------------------------------------------
+# The acceptance a probe assumes: about the best a draft keeps on text it predicts well (the Qwen
+# 0.5B drafting code for the 1.5B keeps 91-95 %). A length that would pay only at a higher rate
+# is never probed: the probe's drafting and the draft's catch-up cost more than it could win.
+PROBE_RATE = 0.95
+# Until measured, with a draft model: a verification row costs ROW_PRIOR of a one-token step (the
+# one-token order computes every row; measured 0.4-0.5 on two cores), and a draft step the size
+# ratio times DRAFT_PRIOR_SCALE (a smaller model reads its weights at a lower rate: the Qwen 0.5B
+# at 0.6 of the 1.5B's). Guessed low, a new request drafts, and pays the draft's catch-up, where
+# no length pays.
+ROW_PRIOR = 0.45
+# A draft model's probe also makes the draft catch up on the tokens since its last proposal: a
+# probe is made only where a length would gain this much
+PROBE_MARGIN = 1.10
+DRAFT_PRIOR_SCALE = 1.3
+
+
 @dataclass
 class DraftLength:
     """How many tokens to propose: the length that maximises expected kept tokens per unit of step
@@ -147,35 +163,41 @@ class DraftLength:
         on a bandwidth-bound CPU a few more rows cost little next to reading the weights)."""
         one = self.step_s.get(1)
         if not one or max(self.step_s) == 1:  # no larger step measured yet: the prior (a draft's
-            return 1.0 + (0.25 if self.drafting else 0.05) * (n_tokens - 1)  # tokens are dearer to try)
+            return 1.0 + (ROW_PRIOR if self.drafting else 0.05) * (n_tokens - 1)  # tokens are dearer to try)
         known = sorted(k for k in self.step_s if k >= n_tokens)
         if known:
             return self.step_s[known[0]] / one
         top = max(self.step_s)
         return self.step_s[top] / one * n_tokens / top
 
-    def choose(self, available: int, rate: float | None = None) -> int:
+    def choose(self, available: int, rate: float | None = None, margin: float = 1.03) -> int:
         """The draft length for the next step, given `available` proposed tokens (0..n_max), at the
-        running acceptance rate (or `rate`)."""
+        running acceptance rate (or `rate`): the best length whose gain beats plain decoding by
+        `margin` (speculation must pay for itself clearly); 0 when none does."""
         best_k, best = 0, 1.0
         if self.drafting and 1 not in self.step_s:  # a plain step's cost first: a draft's steps cost too
             return 0
         a = min(max(self.rate if rate is None else rate, 0.0), 0.999)
         one, drafted = self.step_s.get(1), self.draft_s.get(1)
-        per_draft = drafted / one if one and drafted else (self.draft_prior if self.drafting else 0.0)
+        per_draft = drafted / one if one and drafted else (DRAFT_PRIOR_SCALE * self.draft_prior if self.drafting
+                                                           else 0.0)
         for k in range(max(self.n_min, 1), min(self.n_max, available) + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)  # kept tokens, the target's own included
             gain = expected / (self.cost(k + 1) + k * per_draft)
-            if gain > best * 1.03:  # a margin: speculation must pay for itself clearly
+            if gain > best * margin:
                 best_k, best = k, gain
         if best_k and best_k < self.n_min:
             return 0
         return best_k
 
     def could_pay(self, available: int) -> bool:
-        """Whether any draft length would pay were every proposed token kept: when not, at the
-        measured costs, no acceptance rate can bring speculation back (a probe is wasted)."""
-        return self.choose(available, rate=1.0) > 0
+        """Whether any draft length would pay at a good acceptance rate (PROBE_RATE): when not, at
+        the measured costs, no realistic rate brings speculation back (a probe is wasted)."""
+        return self.probe_length(available) > 0
+
+    def probe_length(self, available: int) -> int:
+        """The length a probe verifies: the one that pays best at PROBE_RATE (0: none pays)."""
+        return self.choose(available, rate=PROBE_RATE, margin=PROBE_MARGIN if self.drafting else 1.03)
 
     @property
     def acceptance(self) -> float:

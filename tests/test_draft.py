@@ -198,6 +198,24 @@ def test_draft_length_waits_for_a_plain_steps_cost():
     assert d.choose(8) == 0 and not d.could_pay(8)
 
 
+def test_no_probe_when_only_a_perfect_draft_would_pay():
+    """A draft at half a target step with verification rows at 0.4 (about the Qwen 0.5B / 1.5B pair
+    here): every token kept would pay a little, a realistic rate (PROBE_RATE) would not, so the
+    engine neither drafts nor probes; a cheaper draft is probed at the length that pays best."""
+    from edgellm.speculative import PROBE_RATE
+
+    d = DraftLength(n_max=16, drafting=True, rate=0.92)
+    d.record_step(1, 0.020)
+    for n in range(2, 9):
+        d.record_step(n, 0.020 * (1 + 0.4 * (n - 1)))
+    d.draft_s[1] = 0.010
+    assert d.choose(16, rate=0.9999) > 0  # only were every token kept
+    assert d.choose(16) == 0 and not d.could_pay(16) and d.probe_length(16) == 0
+    d.draft_s[1] = 0.002
+    k = d.probe_length(16)
+    assert d.could_pay(16) and 0 < k == d.choose(16, rate=PROBE_RATE)
+
+
 def test_a_draft_that_cannot_pay_is_never_run(pair):
     """SmolLM2 drafting for itself: a draft step costs a target step, so no acceptance rate could
     pay for it; the engine does not draft (nor probe) and the answer is the plain one."""
