@@ -36,6 +36,7 @@ H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e
 # 0.94-1.0, mean KL <= 1.8e-3, every flip at a CPU top-2 margin < 0.1. So a top-1 disagreement passes
 # when the GPU's token is within NEAR_TIE of the CPU's best logit; a real bug moves far more.
 KL_MAX = 3e-3
+MOE_KL_MAX = 5e-2  # a mixture of experts against the CPU: routing near-ties move whole tokens
 NEAR_TIE = 0.35
 
 
@@ -361,6 +362,34 @@ def check_models(report: Report, workdir: Path, all_types: bool) -> None:
             report.record(f"model {arch} {type_name} kv {kv_type} gpu_layers=-1 prefill logits",
                           far == 0 and kl_mean <= KL_MAX,
                           f"top-1 {top1:.4f} ({far} flips beyond a near-tie), KL mean {kl_mean:.2e} max {kl_max:.2e}")
+
+    # a mixture of experts: every block on the GPU with its experts there, on the CPU, or split
+    with report.guard("model qwen3moe Q4_K placement"):
+        path = str(write_synthetic_gguf(workdir / "qwen3moe-Q4_K.gguf", arch="qwen3moe", n_layer=n_layer, n_embd=256,
+                                        n_head=4, n_head_kv=2, n_ff=512, n_vocab=512, ggml_type=GGMLType.Q4_K, seed=3,
+                                        hparams={"expert_count": 8, "expert_used_count": 2,
+                                                 "expert_feed_forward_length": 128}))
+        load = dict(n_ctx=128, n_batch=16)
+        # against the CPU run, a router's near-tie moves a token to other experts (a large KL at that
+        # token): a looser bound; the placements against the all-GPU run differ in the experts only
+        want = edgellm.load(path, gpu_layers=0, **load).logits(tokens)
+        for placement in ({}, {"cpu_moe": True}, {"n_cpu_moe": n_layer // 2}):
+            m = edgellm.load(path, gpu_layers=-1, **load, **placement)
+            got = m.logits(tokens)
+            top1, kl_mean, kl_max, far = compare_logits(want, got)
+            ok = top1 >= 0.85 and kl_mean <= MOE_KL_MAX
+            if placement:
+                top1_g, kl_g, _, _ = compare_logits(all_gpu, got)
+                ok = ok and kl_g <= KL_MAX
+                extra = f"; against the all-GPU run top-1 {top1_g:.4f}, KL mean {kl_g:.2e}"
+            else:
+                all_gpu, extra = got, ""
+            report.record(f"model qwen3moe Q4_K gpu_layers=-1 {placement or 'experts on the GPU'} prefill logits", ok,
+                          f"top-1 {top1:.4f}, KL mean {kl_mean:.2e} max {kl_max:.2e} against the CPU{extra}; "
+                          f"experts {m.plan.expert_map()}")
+            list(m.generate(tokens[:8], max_tokens=8, temperature=0, ignore_eos=True))
+            print(f"      stats: {_short_stats(m.stats)}, crossings {m.stats.crossings} a token", flush=True)
+            del m
 
 
 def _short_stats(stats) -> str:
