@@ -274,7 +274,8 @@ class Model:
 
             check_draft(self, draft)
         self.plan = make_plan(gf, cfg, gpu_layers=gpu_layers, n_ctx=n_ctx, n_batch=self.n_batch,
-                              kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size, overrides=overrides)
+                              kv_type=kv_type, vram=vram, n_seq=n_seq, kv_size=kv_size, overrides=overrides,
+                              draft=draft.plan if draft is not None else None)
         if backends is None:
             backends = {"cpu": CPUBackend(threads, resident=not use_mmap, flash_attn=flash_attn)}
             if self.plan.n_gpu_layers > 0 or self.plan.output_device == "gpu" or "gpu" in self.plan.experts:

@@ -32,15 +32,18 @@ def with_note(p, note):
 
 
 def make_plan(gf, cfg=None, *, gpu_layers=0, n_ctx: int, n_batch: int = 512, kv_type: str = "f16", vram=None,
-              ram=None, n_seq: int = 1, kv_size: int | None = None, overrides=(), check: bool = True, budgets=None):
+              ram=None, n_seq: int = 1, kv_size: int | None = None, overrides=(), check: bool = True, budgets=None,
+              draft=None):
     """The plan of GGUF file gf from its header alone (the one path `load` and `edgellm plan` take):
     the file's CPU-only types and architectures, the tensor overrides' expert placement, the budgets
     (given, or `vram` / `ram` over what the machine has free). check: a plan that does not fit is a
     PlanError, and an explicit GPU layer count without a GPU (nor a --vram to plan for) a
-    GPUUnavailableError; check=False returns it with fits=False (what `edgellm plan` shows)."""
+    GPUUnavailableError; check=False returns it with fits=False (what `edgellm plan` shows).
+    draft: the plan of a draft model loaded beside it, whose weights, KV cache and activations
+    count on their devices (the `draft` row)."""
     from edgellm.config import ModelConfig
     from edgellm.memory import detect_budgets
-    from edgellm.planner import WeightSizes, plan
+    from edgellm.planner import RuntimeCosts, WeightSizes, plan
     from edgellm.quality.store import measured_types
 
     cfg = cfg or ModelConfig.from_gguf(gf)
@@ -57,8 +60,12 @@ def make_plan(gf, cfg=None, *, gpu_layers=0, n_ctx: int, n_batch: int = 512, kv_
             raise GPUUnavailableError(f"--gpu-layers {gpu_layers} needs a GPU, but {reason}")
     budgets = budgets or detect_budgets(vram=vram, ram=ram)
     sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
+    costs = RuntimeCosts()
+    if draft is not None:
+        costs = RuntimeCosts(draft_cpu=_held(draft.cpu), draft_gpu=_held(draft.gpu))
     p = plan(cfg, sizes, n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_type=kv_type, kv_size=kv_size,
-             gpu_layers=gpu_layers, budgets=budgets, check=check, measured=measured_types(gf), expert_fixed=fixed)
+             gpu_layers=gpu_layers, budgets=budgets, check=check, measured=measured_types(gf), expert_fixed=fixed,
+             costs=costs)
     return with_note(p, note)
 
 
@@ -255,3 +262,8 @@ def tensor_groups(tensors, p) -> dict[str, dict[str, int]]:
         g = out.setdefault(group, {})
         g[dev] = g.get(dev, 0) + t.nbytes
     return out
+
+
+def _held(ledger) -> int:
+    """What a draft model's ledger adds beside its target: weights, KV cache, activations."""
+    return ledger.weights + ledger.kv_cache + ledger.activations + ledger.draft

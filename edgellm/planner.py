@@ -281,10 +281,11 @@ class Ledger:
     budget: int
     budget_source: str = ""
     activation_buffers: tuple[tuple[str, int], ...] = ()
+    draft: int = 0  # a draft model's weights, KV cache and activations here (speculative decoding)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.runtime + self.margin
+        return self.weights + self.kv_cache + self.activations + self.runtime + self.margin + self.draft
 
     @property
     def fits(self) -> bool:
@@ -297,6 +298,7 @@ class Ledger:
             "activations": self.activations,
             "runtime": self.runtime,
             "margin": self.margin,
+            "draft": self.draft,
             "total": self.total,
             "budget": self.budget,
             "budget_source": self.budget_source,
@@ -379,6 +381,10 @@ class RuntimeCosts:
     gpu_runtime: int = GPU_RUNTIME_BYTES
     cpu_runtime: int = CPU_RUNTIME_BYTES
     cuda_host_runtime: int = CUDA_HOST_RUNTIME_BYTES
+    # a draft model loaded beside this one: its weights, KV cache and activations per device (its
+    # own plan's; the process's runtime is counted once)
+    draft_cpu: int = 0
+    draft_gpu: int = 0
 
 
 def tokenizer_bytes(config) -> int:
@@ -447,9 +453,10 @@ def ledgers(config, sizes: WeightSizes, n_gpu: int, output_device: str, shape: R
             runtime = costs.cpu_runtime + tokenizer_bytes(config) + (costs.cuda_host_runtime if gpu_used else 0)
         else:
             runtime = costs.gpu_runtime if gpu_used else 0
-        used = dev_weights[dev] + dev_kv[dev] + activations
+        draft = costs.draft_cpu if dev == "cpu" else costs.draft_gpu
+        used = dev_weights[dev] + dev_kv[dev] + activations + draft
         result.append(Ledger(dev, dev_weights[dev], dev_kv[dev], activations, runtime, _margin(used), budget, source,
-                             tuple(buffers.items())))
+                             tuple(buffers.items()), draft))
     return result[0], result[1]
 
 

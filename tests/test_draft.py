@@ -216,6 +216,27 @@ def test_no_probe_when_only_a_perfect_draft_would_pay():
     assert d.could_pay(16) and 0 < k == d.choose(16, rate=PROBE_RATE)
 
 
+def test_the_plan_counts_the_draft(pair, smollm2_path):
+    """The target's plan holds the draft's weights, KV cache and activations (its own plan's) in a
+    `draft` row of the CPU ledger, in the total; `edgellm plan -md` shows the same row."""
+    import subprocess
+    import sys
+
+    plain, spec = pair
+    d = spec.draft.plan.cpu
+    assert spec.plan.cpu.draft == d.weights + d.kv_cache + d.activations > 0 and plain.plan.cpu.draft == 0
+    assert spec.plan.cpu.total - plain.plan.cpu.total >= spec.plan.cpu.draft  # (and its share of the margin)
+    mem = spec.memory()["cpu"]
+    assert mem["draft_weights"] == d.weights and mem["draft_kv_cache"] == d.kv_cache
+    r = subprocess.run([sys.executable, "-m", "edgellm.cli", "plan", str(smollm2_path), "-md", str(smollm2_path),
+                        "-c", "512", "-b", "64", "--ram", "8GiB"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("draft"))
+    from edgellm.memory import format_size
+
+    assert row.split()[1:3] == format_size(spec.plan.cpu.draft).split()
+
+
 def test_a_draft_that_cannot_pay_is_never_run(pair):
     """SmolLM2 drafting for itself: a draft step costs a target step, so no acceptance rate could
     pay for it; the engine does not draft (nor probe) and the answer is the plain one."""

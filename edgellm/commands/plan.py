@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks on the GPU: N, -1 (all) or auto (default auto)")
     add_kv_type_arguments(p)
     add_placement_arguments(p)
+    p.add_argument("-md", "--model-draft", default=None, metavar="FILE|NAME",
+                   help="a draft model loaded beside it (speculative decoding): its memory in the plan")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (see docs/plan-json.md)")
 
 
@@ -50,9 +52,12 @@ def run(args: argparse.Namespace) -> int:
     gf = GGUFFile(resolve_model(args.model))
     config = ModelConfig.from_gguf(gf)
     sizes = WeightSizes.from_tensors(gf.tensors, config.n_layer)
-    p = make_plan(gf, config, gpu_layers=args.gpu_layers, n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs,
-                  kv_type=kv_type_of(args), kv_size=args.kv_size, vram=args.vram, ram=args.ram, overrides=rules,
-                  check=False)
+    shape = dict(n_ctx=args.ctx, n_batch=args.batch, n_seq=args.seqs, kv_type=kv_type_of(args), kv_size=args.kv_size,
+                 vram=args.vram, ram=args.ram, check=False)
+    draft = None
+    if args.model_draft:  # planned as load() loads it: on the CPU, with the target's context
+        draft = make_plan(GGUFFile(resolve_model(args.model_draft)), gpu_layers=0, **shape)
+    p = make_plan(gf, config, gpu_layers=args.gpu_layers, overrides=rules, draft=draft, **shape)
     groups = tensor_groups(gf.tensors, p)
     if args.json:
         out = {"model": str(gf.path), "arch": config.arch, "n_layer": config.n_layer,
@@ -80,7 +85,7 @@ def render(p, config, sizes, name: str, groups: dict | None = None) -> str:
         "",
         f"{'':<13}{'CPU':>14}{'GPU':>14}",
     ]
-    for row in ROWS:
+    for row in ROWS if not (p.cpu.draft or p.gpu.draft) else ROWS[:5] + ("draft",) + ROWS[5:]:
         lines.append(f"{row:<13}" + "".join(f"{format_size(getattr(l, row)):>14}" for l in (p.cpu, p.gpu)))
     lines.append(f"{'left':<13}" + "".join(f"{format_size(l.budget - l.total):>14}" for l in (p.cpu, p.gpu)))
     lines.append(f"budget from: CPU {p.cpu.budget_source}; GPU {p.gpu.budget_source}")

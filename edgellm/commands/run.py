@@ -137,5 +137,5 @@ def print_plan(model, f) -> None:
               f"kv est {format_size(ledger.kv_cache)} / measured {format_size(m.get('kv_cache', 0))}; "
               f"activations est {format_size(ledger.activations)}; runtime est {format_size(ledger.runtime)}", file=f)
         if "draft_weights" in m:
-            print(f"  {dev}: draft model weights {format_size(m['draft_weights'])}; "
-                  f"draft kv {format_size(m['draft_kv_cache'])}", file=f)
+            print(f"  {dev}: draft model est {format_size(ledger.draft)} (weights, kv, activations) / measured "
+                  f"weights {format_size(m['draft_weights'])}, kv {format_size(m['draft_kv_cache'])}", file=f)
