@@ -89,3 +89,18 @@ def test_bench_reports_rates_the_timings_give(smollm2_path, capsys):
     assert tg["weight_gb_per_s"] * 1e9 == pytest.approx(tg["tokens_per_s"] * per_pass)
     assert pp["weight_gb_per_s"] * 1e9 == pytest.approx(pp["tokens_per_s"] / 16 * per_pass)  # one pass for 16
     assert info["machine"]["memory_gb_per_s"] == pytest.approx((pp["memory_gb_per_s"] + tg["memory_gb_per_s"]) / 2)
+
+
+@pytest.mark.real
+def test_bench_runs_speculative_decoding_beside_plain(smollm2_path, capsys):
+    """`bench --spec-type ngram-simple` (or -md): the same greedy answer plain and speculative, each
+    one's decode rate and the drafted / kept tokens of the speculative runs."""
+    from edgellm.cli import main
+
+    assert main(["bench", str(smollm2_path), "--spec-type", "ngram-simple", "-n", "48", "-r", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["spec"]
+    assert [r["mode"] for r in rows] == ["plain", "ngram-simple"]
+    assert all(r["tokens"] == 48 and r["tg"] > 0 for r in rows)
+    assert rows[0]["draft_n"] == 0 and 0 <= rows[1]["draft_n_accepted"] <= rows[1]["draft_n"]
+    assert main(["bench", str(smollm2_path), "--spec-type", "draft-simple"]) != 0  # no draft model given
+    assert "needs a draft model" in capsys.readouterr().err

@@ -11,7 +11,8 @@ from edgellm.machine import machine, machine_bandwidth, stream_bandwidth
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from edgellm.commands.flags import add_flash_attn_argument, add_placement_arguments, gpu_layers_arg
+    from edgellm.commands.flags import (add_flash_attn_argument, add_placement_arguments, add_spec_arguments,
+                                        gpu_layers_arg)
 
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="GGUF file or known model name")
     p.add_argument("-p", "--n-prompt", type=int, default=512, metavar="N", help="prompt tokens (pp), default 512")
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in LIST (e.g. 1,2,4,8), llama-batched-bench's S_PP / S_TG with -p prompt and -n "
                         "generated tokens per sequence")
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_spec_arguments(p)  # with -md or --spec-type: plain and speculative decoding of one answer, side by side
 
 
 def weight_bytes(gf, cfg=None) -> int:
@@ -63,6 +65,8 @@ def run(args) -> int:
         raise InvalidArgumentError("-p, -n and -d must be >= 0 and -r >= 1")
     if args.parallel is not None:
         return run_parallel(args)
+    if getattr(args, "model_draft", None) or getattr(args, "spec_type", None) not in (None, "none"):
+        return run_spec(args)
     n_ctx = max(args.depth + args.n_prompt + args.n_gen + 1, 16)
     model = edgellm.load(args.model, gpu_layers=args.gpu_layers, n_ctx=n_ctx, n_batch=args.batch,
                          threads=args.threads, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
@@ -173,4 +177,60 @@ def run_parallel(args) -> int:
     print(f"| {'npl':>4} | {'npp':>5} | {'ntg':>5} | {'S_PP t/s':>9} | {'S_TG t/s':>9} |")
     for r in rows:
         print(f"| {r['npl']:>4} | {r['npp']:>5} | {r['ntg']:>5} | {r['s_pp']:>9.1f} | {r['s_tg']:>9.1f} |")
+    return 0
+
+
+# the speculative test's request: code, whose answer a draft model predicts well
+SPEC_ASK = "Write a Python function that checks whether a number is prime, with a docstring and tests."
+
+
+def run_spec(args) -> int:
+    """`bench -md DRAFT` / `bench --spec-type ngram-simple`: one greedy answer of -n tokens to a
+    code request (chat template if the file has one), plain and speculative in turn, -r times each:
+    decode tokens/s (median), the ratio, and the drafted / kept tokens; the answers must be equal."""
+    import json
+    import statistics
+
+    import edgellm
+    from edgellm.commands.flags import spec_kwargs
+    from edgellm.errors import InvalidArgumentError
+
+    spec = spec_kwargs(args)
+    if args.n_gen < 2:
+        raise InvalidArgumentError("a speculative bench needs -n >= 2")
+    load = dict(gpu_layers=args.gpu_layers, n_ctx=max(args.n_gen + 256, 512), n_batch=args.batch,
+                threads=args.threads, quiet=False, use_mmap=args.use_mmap, flash_attn=args.flash_attn,
+                **placement_kwargs(args))
+    plain = edgellm.load(args.model, **load)
+    fast = edgellm.load(args.model, **load, **spec)
+    try:
+        has_template = bool(plain.metadata.get("tokenizer.chat_template"))
+        prompt = plain.render_chat([{"role": "user", "content": SPEC_ASK}]) if has_template else SPEC_ASK
+        runs: dict[str, list] = {"plain": [], spec["spec_type"]: []}
+        want = None
+        for _ in range(args.repetitions + 1):  # the first round warms both up, untimed
+            for mode, m in (("plain", plain), (spec["spec_type"], fast)):
+                toks = [c.token for c in m.generate(prompt, max_tokens=args.n_gen, temperature=0, cache_prompt=False)]
+                want = toks if want is None else want
+                if toks != want:
+                    raise RuntimeError(f"the {mode} answer differs from the plain one (a bug: please report it)")
+                st = m.stats
+                runs[mode].append((st.gen_tps, st.draft_n, st.draft_n_accepted))
+        rows = []
+        for mode, rs in runs.items():
+            timed = rs[1:]
+            rows.append({"mode": mode, "tokens": len(want), "tg": statistics.median(r[0] for r in timed),
+                         "draft_n": sum(r[1] for r in timed), "draft_n_accepted": sum(r[2] for r in timed)})
+    finally:
+        plain.close()
+        fast.close()
+    base = rows[0]["tg"]
+    if args.json:
+        print(json.dumps({"spec": rows, "threads": plain.threads, "draft": args.model_draft}, indent=2))
+        return 0
+    print(f"| {'mode':>13} | {'tokens':>6} | {'tg t/s':>8} | {'x plain':>7} | {'drafted':>8} | {'kept':>6} |")
+    for r in rows:
+        kept = f"{100 * r['draft_n_accepted'] / r['draft_n']:.0f} %" if r["draft_n"] else "-"
+        print(f"| {r['mode']:>13} | {r['tokens']:>6} | {r['tg']:>8.1f} | {r['tg'] / base:>7.2f} | "
+              f"{r['draft_n']:>8} | {kept:>6} |")
     return 0
