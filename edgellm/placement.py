@@ -57,7 +57,8 @@ def make_plan(gf, cfg=None, *, gpu_layers=0, n_ctx: int, n_batch: int = 512, kv_
 
         ok, reason = available()
         if not ok:
-            raise GPUUnavailableError(f"--gpu-layers {gpu_layers} needs a GPU, but {reason}")
+            what = f"--gpu-layers {gpu_layers}" if gpu_layers not in (0, "0") else "--override-tensor ...=CUDA0"
+            raise GPUUnavailableError(f"{what} needs a GPU, but {reason}")
     budgets = budgets or detect_budgets(vram=vram, ram=ram)
     sizes = WeightSizes.from_tensors(gf.tensors, cfg.n_layer)
     costs = RuntimeCosts()

@@ -200,7 +200,7 @@ class Runtime:
         from edgellm.kernels.cpu import fused
         from edgellm.models.decoder import ALONE_MAX
 
-        if any(d != "cpu" for d in self.layer_devices) or self.output_device != "cpu":
+        if any(d != "cpu" for d in self.layer_devices + self.expert_devices) or self.output_device != "cpu":
             return 1
         mats = [w for L in self.model.blocks for w in vars(L).values() if isinstance(w, QMatrix)]
         mats += [self.model.output] if isinstance(self.model.output, QMatrix) else []
