@@ -19,7 +19,7 @@ def kernels():
     from edgellm.kernels.cpu.common import U, njit
     from edgellm.kernels.cpu.kquants import _row_q4_k
     from edgellm.kernels.cpu.legacy import _row_q4_0
-    from edgellm.kernels.cpu.rowdot import rowdot_q8_0
+    from edgellm.kernels.cpu.rowdot import rowdot_q5_0, rowdot_q8_0
 
     @njit(cache=False)
     def one_row_products(kind, raw, xq, xd, xs, n_tok, out):
@@ -33,6 +33,8 @@ def kernels():
                     out[t, r] = rowdot_q8_0(raw[r], U(0), xq, U(t) * nb * U(32), xd, U(t) * nb, nb)
                 elif kind == 1:
                     out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+                elif kind == 4:
+                    out[t, r] = rowdot_q5_0(raw[r], U(0), xq, U(t) * nb * U(32), xd, U(t) * nb, nb)
                 else:  # Q4_K in a batch: llama.cpp's four-token order for the groups of four
                     out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_tok - n_tok % 4)
 
@@ -45,7 +47,7 @@ def activations(t, x):
     return xa.parts
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_rows", [8, 45, 131])
 def test_matvec_eight_rows_equal_the_one_row_kernel(t, n_rows):
     cpu, one_row_products = kernels()
@@ -58,7 +60,8 @@ def test_matvec_eight_rows_equal_the_one_row_kernel(t, n_rows):
     cpu.matvec(t, raw, x, out)
     xq, xd, xs = activations(t, x)[:3]
     ref = np.full((1, n_rows), np.nan, np.float32)
-    one_row_products({GGMLType.Q4_0: 0, GGMLType.Q4_K: 1, GGMLType.Q8_0: 2}[t], raw, xq, xd, xs, 1, ref)
+    one_row_products({GGMLType.Q4_0: 0, GGMLType.Q4_K: 1, GGMLType.Q8_0: 2, GGMLType.Q5_0: 4}[t], raw, xq, xd, xs, 1,
+                     ref)
     assert np.array_equal(out.view(np.uint32), ref[0].view(np.uint32))
 
 

@@ -22,7 +22,7 @@ from edgellm.kernels.cpu.rowdot import (Q8_0_GROUP, TILE, rowdot1_q5_1, rowdot2x
                                         rowdot4_q8_0, rowdot8_q5_0, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
 from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
                                         njit, prange)
-from edgellm.kernels.cpu.rows8 import IL_Q4_0, il8x4_q4_0, rows8_q4_0, rows8_q8_0
+from edgellm.kernels.cpu.rows8 import IL_Q4_0, il8x4_q4_0, rows8_q4_0, rows8_q5_0, rows8_q8_0
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]
@@ -150,7 +150,11 @@ def matvec_q4_1(raw, xq, xd, xs, xm, out):
 @njit(**JIT)
 def matvec_q5_0(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
-    for r in prange(raw.shape[0]):
+    rb = U(raw.shape[1])
+    n8 = raw.shape[0] // 8
+    for g in prange(n8):  # eight rows at a time, as matvec_q8_0
+        rows8_q5_0(raw, U(g) * U(8) * rb, rb, xq, U(0), xd, U(0), nb, out, U(g) * U(8))
+    for r in range(n8 * 8, raw.shape[0]):
         out[r] = rowdot_q5_0(raw[r], U(0), xq, U(0), xd, U(0), nb)
 
 
