@@ -453,9 +453,7 @@ class Model:
     def weights_read_per_token(self) -> dict[str, int]:
         """Bytes of weights one decode step reads on each device: the blocks placed there, and the
         output norm and head on the output device (the token embeddings are looked up, one row)."""
-        from edgellm.placement import weights_read_per_token
-
-        return weights_read_per_token(self)
+        return self.runtime.weights_read_per_token()
 
     def engine_stats(self) -> dict:
         """Sequences running / waiting, KV blocks total / used / cached / free, preemptions, token

@@ -71,28 +71,14 @@ def make_plan(gf, cfg=None, *, gpu_layers=0, n_ctx: int, n_batch: int = 512, kv_
 
 
 def measured_memory(model) -> dict[str, dict[str, int]]:
-    """Bytes the loaded model holds, per device: weights placed there (mapped on the CPU, uploaded on
-    the GPU), its KV cache arrays, and on the CPU the process RSS."""
+    """Bytes the loaded model holds, per device: its runtime's weights and KV cache
+    (Runtime.memory), a draft model's as draft_* terms, and on the CPU the process RSS."""
     import psutil
 
-    from edgellm.planner import WeightSizes
-
-    rt = model.runtime
-    sizes = WeightSizes.from_tensors(model.gf.tensors, len(rt.layer_devices))
-    # a tied head on the CPU is the embedding already counted; anywhere else it is its own copy
-    head = sizes.head if (not sizes.tied_output or rt.output_device != "cpu") else 0
-    weights = _per_device(sizes, rt.layer_devices, rt.output_device, sizes.token_embd, head, rt.plan.experts)
-    # the CPU's Q4_K matrices packed by eight (37 bytes for every 36 of the file), once bound
-    packed = getattr(rt.backends.get("cpu"), "packed_extra_bytes", None)
-    if packed is not None:
-        weights["cpu"] += packed()
-    kv = rt.kv_bytes()
-    out = {}
-    for dev in sorted(set(weights) | set(kv)):
-        out[dev] = {"weights": weights.get(dev, 0), "kv_cache": kv.get(dev, 0)}
+    out = model.runtime.memory()
     draft = getattr(model, "draft", None)
     if draft is not None:  # a draft model's weights and KV cache (speculative decoding), its own terms
-        for dev, terms in measured_memory(draft).items():
+        for dev, terms in draft.runtime.memory().items():
             for term in ("weights", "kv_cache"):
                 out.setdefault(dev, {"weights": 0, "kv_cache": 0})[f"draft_{term}"] = terms[term]
     rss = psutil.Process().memory_info().rss
@@ -101,39 +87,6 @@ def measured_memory(model) -> dict[str, dict[str, int]]:
     # terms (mapped weights count once they are paged in)
     exact = sum(v for k, v in out["cpu"].items() if k in ("weights", "kv_cache", "draft_weights", "draft_kv_cache"))
     out["cpu"]["other"] = max(0, rss - exact)
-    return out
-
-
-def weights_read_per_token(model) -> dict[str, int]:
-    """Bytes of weights one decode step reads on each device: the blocks placed there, the output
-    norm and the whole head on the output device, other tensors on the CPU (the token embeddings
-    are looked up, one row)."""
-    from edgellm.planner import WeightSizes
-
-    rt = model.runtime
-    sizes = WeightSizes.from_tensors(model.gf.tensors, len(rt.layer_devices))
-    extra = getattr(model.config, "extra", None) or {}
-    share = extra["n_expert_used"] / extra["n_expert"] if "n_expert" in extra else 1.0
-    return _per_device(sizes, rt.layer_devices, rt.output_device, sizes.other, sizes.head, rt.plan.experts,
-                       expert_share=share)
-
-
-def _per_device(sizes, layer_devices, output_device: str, cpu_bytes: int, head: int, experts=(),
-                expert_share: float = 1.0) -> dict[str, int]:
-    """cpu_bytes on the CPU, each block's bytes on its device (its experts' on experts[il], times
-    expert_share: the part a token reads; its router on the CPU), output norm + head on the output
-    device."""
-    out = {"cpu": cpu_bytes}
-    for il, (dev, n) in enumerate(zip(layer_devices, sizes.blocks)):
-        if sizes.experts:
-            e, r = sizes.experts[il], sizes.routers[il]
-            edev = experts[il] if experts else dev
-            out[dev] = out.get(dev, 0) + n - e - r
-            out[edev] = out.get(edev, 0) + int(e * expert_share)
-            out["cpu"] += r
-        else:
-            out[dev] = out.get(dev, 0) + n
-    out[output_device] = out.get(output_device, 0) + sizes.output_norm + head
     return out
 
 

@@ -397,6 +397,25 @@ def _margin(used: int) -> int:
     return max(MARGIN_MIN, int(MARGIN_FRACTION * used)) if used else 0
 
 
+def device_weights(sizes: WeightSizes, layers, output_device: str, cpu_bytes: int, head: int, experts=(),
+                   expert_share: float = 1.0) -> dict[str, int]:
+    """Weight bytes per device: cpu_bytes on the CPU, each block's bytes on its device (its experts'
+    on experts[il], times expert_share: the part a token reads; its router on the CPU), the output
+    norm and `head` on the output device."""
+    out = {"cpu": cpu_bytes}
+    for il, (dev, n) in enumerate(zip(layers, sizes.blocks)):
+        if sizes.experts:
+            e, r = sizes.experts[il], sizes.routers[il]
+            edev = experts[il] if experts else dev
+            out[dev] = out.get(dev, 0) + n - e - r
+            out[edev] = out.get(edev, 0) + int(e * expert_share)
+            out["cpu"] += r
+        else:
+            out[dev] = out.get(dev, 0) + n
+    out[output_device] = out.get(output_device, 0) + sizes.output_norm + head
+    return out
+
+
 def layer_devices(n_layer: int, n_gpu: int) -> tuple[str, ...]:
     """The last n_gpu blocks on the GPU."""
     return tuple("gpu" if il >= n_layer - n_gpu else "cpu" for il in range(n_layer))

@@ -120,6 +120,7 @@ class Runtime:
             raise InvalidArgumentError(f"n_seq must be an integer >= 1 (parallel sequences), got {n_seq}")
         self.cfg = cfg
         self.plan = plan
+        self._tensors = gf.tensors  # the file's tensor table (memory figures)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_seq = int(n_seq)
@@ -211,6 +212,42 @@ class Runtime:
 
     def kv_bytes(self) -> dict[str, int]:
         return self.cache.nbytes()
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes held per device: {"weights": the tensors placed there (mapped on the CPU, with the
+        Q4_K rows packed by eight once bound; uploaded on the GPU), "kv_cache": its cache arrays}."""
+        from edgellm.planner import device_weights
+
+        sizes = self._sizes()
+        # a tied head on the CPU is the embedding already counted; anywhere else it is its own copy
+        head = sizes.head if (not sizes.tied_output or self.output_device != "cpu") else 0
+        weights = device_weights(sizes, self.layer_devices, self.output_device, sizes.token_embd, head,
+                                 self.plan.experts)
+        packed = getattr(self.backends.get("cpu"), "packed_extra_bytes", None)
+        if packed is not None:  # 37 bytes for every 36 of the file
+            weights["cpu"] += packed()
+        kv = self.kv_bytes()
+        return {dev: {"weights": weights.get(dev, 0), "kv_cache": kv.get(dev, 0)}
+                for dev in sorted(set(weights) | set(kv))}
+
+    def weights_read_per_token(self) -> dict[str, int]:
+        """Bytes of weights one decode step reads on each device: the blocks placed there (of a
+        mixture of experts, the share of experts a token uses), the output norm and the whole head
+        on the output device, other tensors on the CPU (the token embeddings: one row, not counted)."""
+        from edgellm.planner import device_weights
+
+        sizes = self._sizes()
+        extra = getattr(self.cfg, "extra", None) or {}
+        share = extra["n_expert_used"] / extra["n_expert"] if "n_expert" in extra else 1.0
+        return device_weights(sizes, self.layer_devices, self.output_device, sizes.other, sizes.head,
+                              self.plan.experts, expert_share=share)
+
+    def _sizes(self):
+        from edgellm.planner import WeightSizes
+
+        if getattr(self, "_weight_sizes", None) is None:
+            self._weight_sizes = WeightSizes.from_tensors(self._tensors, len(self.layer_devices))
+        return self._weight_sizes
 
     # --- one step over a ragged batch -------------------------------------------------------------
     def forward(self, entries, rows=None, hold=()) -> np.ndarray:
