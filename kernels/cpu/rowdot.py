@@ -334,6 +334,23 @@ def _pair_scaled(builder, u8, s8, sc):
                        builder.shuffle_vector(pairs, pairs, ir.Constant(_i32(8), list(range(1, 16, 2)))))
 
 
+def _q6_k_codes(builder, wp, o, sc16):
+    """The Q6_K super-block at byte o as eight steps of 32 weights: (step, the unsigned 6-bit codes
+    <32 x i8> (low 4 bits from ql, high 2 from qh), their scales as pmaddwd pairs from sc16)."""
+    for h in range(2):
+        qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
+        ql = [_load_vec(builder, wp, builder.add(o, const(64 * h + 32 * k)), _i8(32)) for k in (0, 1)]
+        for t in range(4):
+            lo = ql[t % 2] if t < 2 else builder.lshr(ql[t % 2], ir.Constant(_i8(32), [4] * 32))
+            lo = builder.and_(lo, ir.Constant(_i8(32), [15] * 32))
+            hi = builder.and_(builder.shl(qh, ir.Constant(_i8(32), [4 - 2 * t] * 32)) if t < 2 else
+                              builder.lshr(qh, ir.Constant(_i8(32), [2 * t - 4] * 32)),
+                              ir.Constant(_i8(32), [48] * 32))
+            g = 8 * h + 2 * t
+            yield 4 * h + t, builder.or_(lo, hi), builder.shuffle_vector(
+                sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
+
+
 @intrinsic
 def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
     """float32: a Q6_K row (210-byte super-blocks: ql[128], qh[64], scales i8[16], d) times x in
@@ -357,20 +374,9 @@ def rowdot_q6_k(typingctx, w, w_off, xq, x_off, xd, xs, b_off, nb):
             # the 16 scales once as <16 x i16>; each 32-weight group's pair of them by a shuffle
             sc16 = builder.sext(_load_vec(builder, wp, builder.add(o, const(192)), _i8(16)), _i16(16))
             sumi = ir.Constant(_i32(8), [0] * 8)
-            for h in range(2):
-                qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
-                ql = [_load_vec(builder, wp, builder.add(o, const(64 * h + 32 * k)), _i8(32)) for k in (0, 1)]
-                for t in range(4):
-                    lo = ql[t % 2] if t < 2 else builder.lshr(ql[t % 2], ir.Constant(_i8(32), [4] * 32))
-                    lo = builder.and_(lo, ir.Constant(_i8(32), [15] * 32))
-                    hi = builder.and_(builder.shl(qh, ir.Constant(_i8(32), [4 - 2 * t] * 32)) if t < 2 else
-                                      builder.lshr(qh, ir.Constant(_i8(32), [2 * t - 4] * 32)),
-                                      ir.Constant(_i8(32), [48] * 32))
-                    q = builder.or_(lo, hi)
-                    y = _load_vec(builder, xp, builder.add(xo, const(128 * h + 32 * t)), _i8(32))
-                    g = 8 * h + 2 * t
-                    sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
-                    sumi = builder.add(sumi, _pair_scaled(builder, q, y, sc))
+            for step, q, sc in _q6_k_codes(builder, wp, o, sc16):
+                y = _load_vec(builder, xp, builder.add(xo, const(32 * step)), _i8(32))
+                sumi = builder.add(sumi, _pair_scaled(builder, q, y, sc))
             # the -32 of every weight, per lane: 32 * (sc[2l] * xs[2l] + sc[2l+1] * xs[2l+1])
             # (xs: sums of 16 int8 values, |xs| <= 2048, exact in int16)
             s16 = builder.mul(builder.add(b_off_, i), const(16))
@@ -414,23 +420,11 @@ def _rowdotn_q6_k(n_tok: int):
                 sc16 = builder.sext(_load_vec(builder, wp, builder.add(o, const(192)), _i8(16)), _i16(16))
                 dw = _load_half(builder, wp, builder.add(o, const(208)))
                 sumi = [ir.Constant(_i32(8), [0] * 8)] * n_tok
-                for h in range(2):
-                    qh = _load_vec(builder, wp, builder.add(o, const(128 + 32 * h)), _i8(32))
-                    ql = [_load_vec(builder, wp, builder.add(o, const(64 * h + 32 * k)), _i8(32)) for k in (0, 1)]
-                    for t in range(4):
-                        lo = ql[t % 2] if t < 2 else builder.lshr(ql[t % 2], ir.Constant(_i8(32), [4] * 32))
-                        lo = builder.and_(lo, ir.Constant(_i8(32), [15] * 32))
-                        hi = builder.and_(builder.shl(qh, ir.Constant(_i8(32), [4 - 2 * t] * 32)) if t < 2 else
-                                          builder.lshr(qh, ir.Constant(_i8(32), [2 * t - 4] * 32)),
-                                          ir.Constant(_i8(32), [48] * 32))
-                        q = builder.or_(lo, hi)
-                        g = 8 * h + 2 * t
-                        sc = builder.shuffle_vector(sc16, sc16, ir.Constant(_i32(16), [g] * 8 + [g + 1] * 8))
-                        for k in range(n_tok):
-                            xo = builder.add(x_off_, builder.mul(builder.add(builder.mul(const(k), nb_), i),
-                                                                 const(256)))
-                            y = _load_vec(builder, xp, builder.add(xo, const(128 * h + 32 * t)), _i8(32))
-                            sumi[k] = builder.add(sumi[k], _pair_scaled(builder, q, y, sc))
+                for step, q, sc in _q6_k_codes(builder, wp, o, sc16):
+                    for k in range(n_tok):
+                        xo = builder.add(x_off_, builder.mul(builder.add(builder.mul(const(k), nb_), i), const(256)))
+                        y = _load_vec(builder, xp, builder.add(xo, const(32 * step)), _i8(32))
+                        sumi[k] = builder.add(sumi[k], _pair_scaled(builder, q, y, sc))
                 for k in range(n_tok):
                     bi = builder.add(b_off_, builder.add(builder.mul(const(k), nb_), i))
                     xs16 = builder.trunc(_load_vec(builder, sp, builder.mul(bi, const(16)), _i32(16)), _i16(16))

@@ -192,82 +192,63 @@ rows8_q4_k = _rows8("q4_k")
 # memory (as fast from DRAM as from L2). Eight rows at once run eight independent chains, each row's in its own
 # order, so every result is the one-row kernel's bit for bit, and each x block is loaded once for
 # the eight. (The same for Q4_1 and Q5_0 was measured and not kept: no gain at 2 threads.)
-_Q8_0_BYTES = 34
+def _rows8_q8_32(block: int, codes):
+    """An eight-row kernel for a type whose blocks hold an f16 d first and signed codes taken
+    against x in Q8_0 form: codes(builder, wp, o) -> <32 x i8> of the block at byte o. Each row's
+    steps are its one-row kernel's (rowdot_q8_0 / rowdot_q5_0), x's block loaded once for eight rows."""
 
+    @intrinsic
+    def rows8(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
+        sig = types.void(w, types.uint64, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64, out,
+                         types.uint64)
 
-@intrinsic
-def rows8_q8_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
-    """out[out_off + r] for the Q8_0 rows r = 0..7 at w_off + r rb: what rowdot_q8_0 gives each (x
-    in Q8_0 form: xq from x_off, block i's scale xd[b_off + i])."""
-    sig = types.void(w, types.uint64, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64, out,
-                     types.uint64)
+        def codegen(context, builder, signature, args):
+            from edgellm.kernels.cpu.rowdot import _abs_sign, _hsum8, _load_half
 
-    def codegen(context, builder, signature, args):
-        from edgellm.kernels.cpu.rowdot import _abs_sign, _hsum8, _load_half
-
-        w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
-        wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
-        block = _Q8_0_BYTES
-        rows, ahead = _group(builder, w_off_, rb_)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
-        with cgutils.for_range(builder, nb_) as loop:
-            j = loop.index
-            _ahead(builder, wp, ahead, j, block)
-            d1 = builder.load(builder.gep(dp, [builder.add(b_off_, j)]))
-            qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(j, const(32))), _i8(32))
+            w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
+            wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
+            rows, ahead = _group(builder, w_off_, rb_)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
+            with cgutils.for_range(builder, nb_) as loop:
+                j = loop.index
+                _ahead(builder, wp, ahead, j, block)
+                d1 = builder.load(builder.gep(dp, [builder.add(b_off_, j)]))
+                qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(j, const(32))), _i8(32))
+                for r in range(8):
+                    o = builder.add(rows[r], builder.mul(j, const(block)))
+                    d0 = _load_half(builder, wp, o)
+                    ax, sy = _abs_sign(builder, codes(builder, wp, o), qy)
+                    xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
+                    d = _splat(builder, builder.fmul(d0, d1), _V8F)
+                    builder.store(_fma(builder, d, xy, builder.load(accs[r])), accs[r])
             for r in range(8):
-                o = builder.add(rows[r], builder.mul(j, const(block)))
-                d0 = _load_half(builder, wp, o)
-                ax, sy = _abs_sign(builder, _load_vec(builder, wp, builder.add(o, const(2)), _i8(32)), qy)
-                xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
-                d = _splat(builder, builder.fmul(d0, d1), _V8F)
-                builder.store(_fma(builder, d, xy, builder.load(accs[r])), accs[r])
-        for r in range(8):
-            builder.store(_hsum8(builder, builder.load(accs[r])), builder.gep(op, [builder.add(out_off_, const(r))]))
-        return context.get_dummy_value()
+                builder.store(_hsum8(builder, builder.load(accs[r])),
+                              builder.gep(op, [builder.add(out_off_, const(r))]))
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return rows8
 
 
-_Q5_0_BYTES = 22
+def _q8_0_codes(builder, wp, o):
+    return _load_vec(builder, wp, builder.add(o, const(2)), _i8(32))
 
 
-@intrinsic
-def rows8_q5_0(typingctx, w, w_off, rb, xq, x_off, xd, b_off, nb, out, out_off):
-    """out[out_off + r] for the Q5_0 rows r = 0..7 at w_off + r rb: what rowdot_q5_0 gives each (x
-    in Q8_0 form, as for rows8_q8_0): each row's steps are rowdot_q5_0's, x's block loaded once."""
-    sig = types.void(w, types.uint64, types.uint64, xq, types.uint64, xd, types.uint64, types.uint64, out,
-                     types.uint64)
+def _q5_0_codes(builder, wp, o):
+    """q - 16: the nibble with the high bits 0xF0 set where the 5th bit is clear."""
+    from edgellm.kernels.cpu.rowdot import _bits_spread, _nibbles
 
-    def codegen(context, builder, signature, args):
-        from edgellm.kernels.cpu.rowdot import _abs_sign, _bits_spread, _hsum8, _load_half, _nibbles
+    qh = _load_vec(builder, wp, builder.add(o, const(2)), _I32)
+    return builder.or_(_nibbles(builder, wp, builder.add(o, const(6))),
+                       builder.select(_bits_spread(builder, qh), ir.Constant(_i8(32), [0] * 32),
+                                      ir.Constant(_i8(32), [0xF0] * 32)))
 
-        w_off_, rb_, x_off_, b_off_, nb_, out_off_ = args[1], args[2], args[4], args[6], args[7], args[9]
-        wp, xp, dp, op = _pointers(context, builder, signature, args, (0, 3, 5, 8))
-        block = _Q5_0_BYTES
-        rows, ahead = _group(builder, w_off_, rb_)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(8)]
-        zero, f0 = ir.Constant(_i8(32), [0] * 32), ir.Constant(_i8(32), [0xF0] * 32)
-        with cgutils.for_range(builder, nb_) as loop:
-            j = loop.index
-            _ahead(builder, wp, ahead, j, block)
-            d1 = builder.load(builder.gep(dp, [builder.add(b_off_, j)]))
-            qy = _load_vec(builder, xp, builder.add(x_off_, builder.mul(j, const(32))), _i8(32))
-            for r in range(8):
-                o = builder.add(rows[r], builder.mul(j, const(block)))
-                d0 = _load_half(builder, wp, o)
-                qh = _load_vec(builder, wp, builder.add(o, const(2)), _I32)
-                qx = builder.or_(_nibbles(builder, wp, builder.add(o, const(6))),
-                                 builder.select(_bits_spread(builder, qh), zero, f0))
-                ax, sy = _abs_sign(builder, qx, qy)
-                xy = builder.sitofp(_quad_sums(builder, ax, sy), _V8F)
-                builder.store(_fma(builder, _splat(builder, builder.fmul(d0, d1), _V8F), xy, builder.load(accs[r])),
-                              accs[r])
-        for r in range(8):
-            builder.store(_hsum8(builder, builder.load(accs[r])), builder.gep(op, [builder.add(out_off_, const(r))]))
-        return context.get_dummy_value()
 
-    return sig, codegen
+# out[out_off + r] for the rows r = 0..7 at w_off + r rb: what rowdot_q8_0 / rowdot_q5_0 gives each
+# (x in Q8_0 form: xq from x_off, block i's scale xd[b_off + i])
+rows8_q8_0 = _rows8_q8_32(34, _q8_0_codes)
+rows8_q5_0 = _rows8_q8_32(22, _q5_0_codes)
 
 
 # --- Q4_K rows packed by eight: decode and prompt products with the rows in the lanes -----------
@@ -331,62 +312,20 @@ def _x4(builder, xp, xo):
     return lambda b, s: _load_vec(builder, xp, builder.add(xo, const(32 * b + 4 * s)), _I32)
 
 
-@intrinsic
-def il8_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off):
-    """rows8_q4_k's eight results (bit for bit) from eight Q4_K rows packed at byte w_off
-    (kquants.pack8_q4_k; super-block j at w_off + Q4_K8_SB j), x as for rows8_q4_k (Q8_K parts,
-    xs the sums per 16)."""
-    sig = types.void(w, types.uint64, xq, xd, xs, types.uint64, types.uint64, out, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        w_off_, b_off_, nb_, out_off_ = args[1], args[5], args[6], args[8]
-        wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 2, 3, 4, 7))
-        zero = ir.Constant(_V8F, [0.0] * 8)
-        acc = cgutils.alloca_once_value(builder, zero)
-        acc_m = cgutils.alloca_once_value(builder, zero)
-        with cgutils.for_range(builder, nb_) as loop:
-            j = loop.index
-            i = builder.add(b_off_, j)
-            o = builder.add(w_off_, builder.mul(j, const(Q4_K8_SB)))
-            if PACKED_AHEAD:
-                _prefetch(builder, wp, builder.add(o, const(PACKED_AHEAD * Q4_K8_SB)), Q4_K8_SB - 64)
-            # x's sums per 32 (pairs of its sums per 16; |sum| <= 32 * 128: exact in int16)
-            s16 = _load_vec(builder, sp, builder.mul(i, const(16)), _i32(16))
-            s32 = builder.add(builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(0, 16, 2)))),
-                              builder.shuffle_vector(s16, s16, ir.Constant(_i32(8), list(range(1, 16, 2)))))
-            pairs = builder.bitcast(builder.trunc(s32, _i16(8)), _i32(4))
-            isum = msum = None
-            for c in range(4):
-                (a_lo, a_hi), = _packed_steps(builder, wp, o, c, [_x4(builder, xp, builder.mul(i, const(256)))])
-                for b, a16 in ((2 * c, a_lo), (2 * c + 1, a_hi)):
-                    p = _madd16(builder, a16, _packed_scale(builder, wp, o, b))
-                    isum = p if isum is None else builder.add(isum, p)
-                xpair = _splat(builder, builder.extract_element(pairs, ir.Constant(_I32, c)), _i32(8))
-                p = _madd16(builder, _packed_mins(builder, wp, o, c), builder.bitcast(xpair, _i16(16)))
-                msum = p if msum is None else builder.add(msum, p)
-            dx = _splat(builder, builder.load(builder.gep(dp, [i])), _V8F)
-            d = builder.fmul(_halves_lanes(builder, wp, builder.add(o, const(_P_D))), dx)
-            dmin = builder.fmul(_halves_lanes(builder, wp, builder.add(o, const(_P_DMIN))), dx)
-            builder.store(_fma(builder, builder.sitofp(isum, _V8F), d, builder.load(acc)), acc)
-            builder.store(_fma(builder, builder.sitofp(msum, _V8F), dmin, builder.load(acc_m)), acc_m)
-        _store8(builder, op, out_off_, builder.fsub(builder.load(acc), builder.load(acc_m)))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _il8n_q4_k(n_tok: int):
-    """il8_q4_k for n_tok tokens at once (token t's super-blocks at b_off + t nb, its results at
-    out_off + t out_stride): each token's integer and float steps are il8_q4_k's, so its results
-    are il8_q4_k's bit for bit; the weights' loads, nibble splits and scales are shared."""
+    """Eight Q4_K rows packed at byte w_off (kquants.pack8_q4_k; super-block j at w_off +
+    Q4_K8_SB j) times n_tok tokens in the one-token order (rows8_q4_k's results, bit for bit), x as
+    for rows8_q4_k (Q8_K parts, xs the sums per 16): token t's super-blocks at b_off + t nb, its
+    results at out_off + t out_stride. The weights' loads, nibble splits and scales are shared by
+    the tokens. One token: il8_q4_k(w, w_off, xq, xd, xs, b_off, nb, out, out_off)."""
     u64 = types.uint64
 
-    @intrinsic
-    def il8n_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
-        sig = types.void(w, u64, xq, xd, xs, u64, u64, out, u64, u64)
+    def typer(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride=None):
+        sig = types.void(w, u64, xq, xd, xs, u64, u64, out, u64, *([u64] if n_tok > 1 else []))
 
         def codegen(context, builder, signature, args):
-            w_off_, b_off_, nb_, out_off_, out_stride_ = args[1], args[5], args[6], args[8], args[9]
+            w_off_, b_off_, nb_, out_off_ = args[1], args[5], args[6], args[8]
+            out_stride_ = args[9] if n_tok > 1 else const(0)
             wp, xp, dp, sp, op = _pointers(context, builder, signature, args, (0, 2, 3, 4, 7))
             zero = ir.Constant(_V8F, [0.0] * 8)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(n_tok)]
@@ -429,11 +368,20 @@ def _il8n_q4_k(n_tok: int):
 
         return sig, codegen
 
-    return il8n_q4_k
+    if n_tok == 1:
+        def il8_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off):
+            return typer(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off)
+
+        return intrinsic(il8_q4_k)
+
+    def il8n_q4_k(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride):
+        return typer(typingctx, w, w_off, xq, xd, xs, b_off, nb, out, out_off, out_stride)
+
+    return intrinsic(il8n_q4_k)
 
 
-# one-token-order products of 2, 3 and 4 tokens over packed Q4_K rows (a verification step's rows)
-il8x2_q4_k, il8x3_q4_k, il8n4_q4_k = (_il8n_q4_k(n) for n in (2, 3, 4))
+# one token (decode), and 2, 3 and 4 tokens (a verification step's rows) over packed Q4_K rows
+il8_q4_k, il8x2_q4_k, il8x3_q4_k, il8n4_q4_k = (_il8n_q4_k(n) for n in (1, 2, 3, 4))
 
 
 @intrinsic
