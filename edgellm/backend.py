@@ -11,8 +11,8 @@ first: x (n_tok, n_embd). Every op writes into an out-parameter or works in plac
 except `empty`, `kv_array`, `kv_layer`, `weight` and the host crossings.
 
     QMatrix        a weight matrix in its quantized blocks
-    KVLayer        one layer's K/V as a one-sequence ring (warm-up, kernel tests); the paged cache's
-                   layer (edgellm.kv_cache.LayerKV) has the same fields
+    KVLayer        one layer's K/V cache: a RingKV (one sequence: warm-up, kernel tests) or the paged
+                   cache's layer (edgellm.kv_cache.PagedKV)
     Backend        the ops; the fused ones default to their primitive-op versions
 """
 from __future__ import annotations
@@ -45,13 +45,29 @@ class QMatrix:
 
 
 class KVLayer:
-    """One layer's K and V cache on the layer's device, as a ring for one sequence.
+    """One layer's K and V cache on the layer's device: k, v (slots, n_kv_head, head_dim), `pos[slot]`
+    the position a slot holds (-1: empty), `window` (0: none), `quant` (a block-quantized KVType: k,
+    v hold each head's row of ggml blocks; None: float), and `layout`, which says where a step's
+    tokens are written and what they attend to. Two kinds, taken alike by every op: RingKV (one
+    sequence) and the paged cache's layer (edgellm.kv_cache.PagedKV)."""
 
-    size slots of (n_kv_head, head_dim); a token at position p lives in slot p % size, so a
-    sliding-window layer needs only window + n_batch slots. `pos[slot]` is the position held (-1: empty).
-    The paged cache's layer (edgellm.kv_cache.LayerKV) has the same fields (k, v, pos, window,
-    slots(), kernel_arrays(), layout), so every op that takes a `kv` takes either.
-    """
+    quant = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
+        if getattr(self, "_kernel_arrays", None) is None:
+            bits = self.k.dtype == np.float16
+            self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
+        return self._kernel_arrays
+
+
+class RingKV(KVLayer):
+    """A KVLayer for one sequence, as a ring: size slots; a token at position p lives in slot
+    p % size, so a sliding-window layer needs only window + n_batch slots."""
 
     def __init__(self, xp, size: int, n_kv_head: int, head_dim_k: int, head_dim_v: int, dtype, window: int = 0):
         self.size = size
@@ -63,10 +79,6 @@ class KVLayer:
             self.v.fill(0)
         self.pos = np.full(size, -1, dtype=np.int64)  # host-side bookkeeping
         self.n_used = 0  # slots [0, n_used) may hold data
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
 
     def clear(self) -> None:
         self.pos[:] = -1
@@ -81,18 +93,11 @@ class KVLayer:
         alone (the one-token kernel), a batch as one chunk."""
         return _RingLayout(self)
 
-    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
-        if getattr(self, "_kernel_arrays", None) is None:
-            bits = self.k.dtype == np.float16
-            self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
-        return self._kernel_arrays
-
 
 class _RingLayout:
-    """kv_cache.StepLayout's fields for a ring KVLayer (computed when read: n_used changes)."""
+    """kv_cache.StepLayout's fields for a RingKV (computed when read: n_used changes)."""
 
-    def __init__(self, kv: KVLayer):
+    def __init__(self, kv: RingKV):
         self.kv = kv
 
     def for_tokens(self, n_tok: int):
@@ -114,7 +119,7 @@ def attention_layout(kv, n_tok: int):
 
 # ============================================================================ the ops
 class Backend(ABC):
-    """The ops of one device. `kv` arguments are a KVLayer or a kv_cache.LayerKV on this device;
+    """The ops of one device. `kv` arguments are a KVLayer (a RingKV or a kv_cache.PagedKV) on this device;
     `pos` is host int64 (n_tok,), each token's position in its sequence."""
 
     device: str = "cpu"  # "cpu" | "gpu": the key of this backend in the runtime's and the ledger's maps
@@ -150,6 +155,16 @@ class Backend(ABC):
     def claim_thread(self) -> None:
         """Called at the start of every step in the thread that runs it (a backend whose settings
         belong to the calling thread re-applies them there). Default: nothing."""
+
+    def prepare(self, model, cfg, layer_devices, output_device: str, n_seq: int, kv_dtype, *,
+                on_compile=None) -> None:
+        """Called once when a runtime is built, before any weight is read: the backend may load (or
+        compile) the kernels the steps will run. on_compile(kernel_name), if given, hears of each
+        kernel that starts compiling. Default: nothing."""
+
+    def after_step(self, shape: tuple) -> None:
+        """Called after every forward step, shape = (entries, tokens): the backend may hand back
+        memory its step used to load kernels. Default: nothing."""
 
     def make_resident(self, model) -> None:
         """Called once after the warm-up: the backend may move the weights of its layers (model:
@@ -189,7 +204,7 @@ class Backend(ABC):
         committed now (it runs out at load, never in the middle of a generation)."""
 
     @abstractmethod
-    def kv_layer(self, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0) -> KVLayer:
+    def kv_layer(self, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0) -> RingKV:
         """A one-sequence ring cache layer (the warm-up's scratch cache, kernel tests)."""
 
     # --- primitive ops ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgellm.kernels.cpu.backend import NumpyBackend
+from edgellm.kernels.cpu.numpy_backend import NumpyBackend
 from edgellm.gguf_file import TensorInfo
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgellm.backend import KVLayer
 from edgellm.errors import InvalidArgumentError
 
 BLOCK_SIZE = 16  # tokens per block; a multiple of 8 (the attention kernels read keys 4 and 8 at a time)
@@ -235,7 +236,7 @@ class KVCache:
         if kt.quantized and (cfg.head_dim_k % 32 or cfg.head_dim_v % 32):
             raise InvalidArgumentError(f"a {kt.name} KV cache needs head sizes divisible by 32 "
                                        f"(this model: {cfg.head_dim_k}, {cfg.head_dim_v}); use f16")
-        self.layers = []  # per layer: LayerKV
+        self.layers = []  # per layer: PagedKV
         for il, b in enumerate(layer_backends):
             g = self.groups[self.group_of[il]]
             n_slots = g.pool.n_blocks * block_size
@@ -245,7 +246,7 @@ class KVCache:
             else:
                 k = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_k), kt.dtype)
                 v = b.kv_array((n_slots, cfg.n_head_kv, cfg.head_dim_v), kt.dtype)
-            self.layers.append(LayerKV(k, v, g.slot_pos, g.window, b.device, kt if kt.quantized else None))
+            self.layers.append(PagedKV(k, v, g.slot_pos, g.window, b.device, kt if kt.quantized else None))
 
     # --- memory ---------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
@@ -267,28 +268,18 @@ class KVCache:
         return SeqKV(self)
 
 
-class LayerKV:
-    """One layer's K and V arrays (slots, n_kv_head, head_dim) and its group's slot positions."""
+class PagedKV(KVLayer):
+    """The paged cache's KVLayer: one layer's K and V arrays over every sequence's blocks and its
+    group's slot positions; the runtime sets `layout` (a StepLayout) before each step."""
 
     def __init__(self, k, v, slot_pos, window, device, quant: KVType | None = None):
         self.k, self.v, self.pos, self.window, self.device = k, v, slot_pos, window, device
         self.quant = quant  # a block-quantized type: k, v hold each head's row of blocks (uint8)
         self.layout = None  # the step's StepLayout for this layer's group, set by the runtime
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
     def slots(self, positions):
         """Slots the step's tokens are written to (the step layout decides; positions unused)."""
         return self.layout.slots
-
-    def kernel_arrays(self):
-        """k, v as the Numba kernels take them: float16 caches as their uint16 bits (views)."""
-        if getattr(self, "_kernel_arrays", None) is None:
-            bits = self.k.dtype == np.float16
-            self._kernel_arrays = (self.k.view(np.uint16), self.v.view(np.uint16)) if bits else (self.k, self.v)
-        return self._kernel_arrays
 
 
 @dataclass

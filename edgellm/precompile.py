@@ -2,9 +2,9 @@
 progress line, and answer before the last of them is compiled.
 
 Numba compiles a kernel on its first call and caches the machine code on disk (see
-`edgellm.kernels.cpu.numba_cache_dir`); `Runtime.warm_up` then loads them in seconds. Compiling is
+`edgellm.kernels.cpu.jit.numba_cache_dir`); the load's warm-up then loads them in seconds. Compiling is
 single-threaded, and one small model's kernels take most of a CPU minute, in three parts
-(`step_groups`): the prompt batch (batched products, attention), the one-token step through the
+(`kernels.cpu.warmup.step_groups`): the prompt batch (batched products, attention), the one-token step through the
 unfused kernels (with the output head), and the fused decode step (`fused.decode_layers`, the
 largest; it calls the unfused step's kernels). `precompile` runs the model's warm-up steps in worker
 processes (one per core, at most two), each on a single thread: the prompt in one, the unfused
@@ -15,7 +15,7 @@ finds every kernel there.
     precompile(path, background=True) -> Compiling | bool
 
 With background=True it returns once the first token's kernels are compiled (the prompt and the
-unfused step), with kernels.cpu.backend.FUSED_READY clear: decode steps run the unfused kernels
+unfused step), with kernels.cpu.jit.STATE not fused_ready: decode steps run the unfused kernels
 (the same bits) until the worker has the fused one in the cache, so the first run's answer does
 not wait for it (docs/performance.md); the command waits for the worker at its end (`Compiling.wait`).
 
@@ -92,48 +92,6 @@ class CompileProgress:
 
 
 # --- the warm-up steps and their groups -------------------------------------------------------
-def step_groups(model, cfg) -> list[list[tuple]]:
-    """The warm-up steps (edgellm.runtime.warm_up_steps) of an all-CPU model of one sequence, in three
-    groups that compile kernels apart (as far as their argument types tell): the prompt batches
-    through the layers; the one-token steps through the unfused kernels (a layer of each kind, what a
-    decode step runs until the fused kernel is compiled) with the output head's products; and the
-    fused decode step ("layers": every layer kind in one call), which calls the unfused step's
-    kernels (attention, norms, RoPE, activation quantizers: the same argument types, so a worker
-    that compiled them first finds them in the disk cache) and is needed only from the second
-    token of an answer on."""
-    from edgellm.runtime import warm_up_steps
-
-    fused = warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1)
-    unfused = warm_up_steps(model, cfg, ["cpu"] * cfg.n_layer, "cpu", n_seq=1, fused=False)
-    prompt = [s for s in unfused if s[0] == "block" and s[2] > 1]
-    one = [s for s in unfused if s not in prompt]
-    return [prompt, one, [s for s in fused if s[0] == "layers"]]
-
-
-def worker_shares(groups: list[list[tuple]], n_workers: int) -> list[list[tuple]]:
-    """step_groups' groups over n_workers processes, each share in the order it runs: the fused
-    decode step last in its share, after the steps the first token needs (so `precompile` can
-    return once those are done)."""
-    prompt, one, layers = groups
-    if n_workers == 1:
-        return [prompt + one + layers]
-    return [prompt, one + layers]
-
-
-def _open(path: str, threads: int):
-    from edgellm.config import ModelConfig
-    from edgellm.gguf_file import GGUFFile
-    from edgellm.kernels.cpu.backend import CPUBackend
-    from edgellm.models import architecture
-
-    gf = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(gf)
-    cpu = CPUBackend(threads)
-    model = architecture(cfg.arch).Model(cfg, gf, [cpu] * cfg.n_layer, cpu, cpu)
-    return cfg, cpu, model
-
-
-# --- the parent: stamp, workers, progress -----------------------------------------------------
 def _stamp(path: Path, kv_type: str) -> Path:
     from edgellm.kernels.cpu import numba_cache_dir
 
@@ -152,8 +110,8 @@ def workers_for(n_groups: int) -> int:
 
 class Compiling:
     """The workers of a `precompile` still running: every kernel a prompt and an unfused decode step
-    run is in the disk cache; the fused decode kernel is still compiling, so
-    kernels.cpu.backend.FUSED_READY is clear until the workers end (set then if they succeeded: the
+    run is in the disk cache; the fused decode kernel is still compiling, so kernels.cpu.jit.STATE
+    is not fused_ready until the workers end (ready then if they succeeded: the
     next decode step loads the kernel from the disk cache; a failed worker leaves the unfused
     kernels to this process, which give the same bits)."""
 
@@ -202,25 +160,25 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
     """Compile the kernels of the GGUF file at `path` (all layers on the CPU) into the disk cache
     with worker processes. Returns False when the file's kernels were compiled before; True when
     this call compiled them all; with background=True, once the kernels the first token needs are
-    compiled, a `Compiling` (the fused decode kernel still compiling, kernels.cpu.backend.FUSED_READY
-    clear until it is done) or True when nothing was left. stamp: remember the file (not for a
+    compiled, a `Compiling` (the fused decode kernel still compiling, kernels.cpu.jit.STATE not
+    fused_ready until it is done) or True when nothing was left. stamp: remember the file (not for a
     temporary one)."""
-    from edgellm.kernels.cpu import numba_cache_dir
-    from edgellm.kernels.cpu.backend import FUSED_READY
+    from edgellm.kernels.cpu.jit import STATE, use_cache_dir
+    from edgellm.kernels.cpu.warmup import open_model, step_groups, worker_shares
 
     path = Path(path)
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(numba_cache_dir()))  # the workers inherit it
+    use_cache_dir()  # NUMBA_CACHE_DIR: the workers inherit it
     stamp_path = _stamp(path, kv_type)
     if stamp_path.exists():
         return False
-    cfg, _, model = _open(str(path), 1)
+    cfg, _, model = open_model(str(path), 1)
     shares = [s for s in worker_shares(step_groups(model, cfg), workers_for(2)) if s]
     first = [sum(1 for step in s if step[0] != "layers") for s in shares]  # what the first token needs
     total = sum(first) if background else sum(len(s) for s in shares)  # the steps the progress line waits for
     report = report if report is not None else CompileProgress()
     report.steps(0, total)
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "edgellm.precompile", str(path), kv_type, json.dumps(share)],
+    procs = [subprocess.Popen([sys.executable, "-m", "edgellm.kernels.cpu.warmup", str(path), kv_type, json.dumps(share)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
              for share in shares]
     ready = threading.Event()  # the first token's kernels are compiled
@@ -266,12 +224,12 @@ def precompile(path, *, kv_type: str = "f16", report: CompileProgress | None = N
         if stamp:
             _write_stamp(stamp_path, path, ok)
         if ok:
-            FUSED_READY.set()
+            STATE.fused_compiled()
         handle.finish(ok)
         ready.set()
 
     if background:
-        FUSED_READY.clear()
+        STATE.fused_compiling()
     thread = threading.Thread(target=watch, name="edgellm-precompile", daemon=True)
     handle = Compiling(thread, report)
     thread.start()
@@ -378,29 +336,3 @@ def _compile_stand_in(stand_in, kv_type: str, out: dict) -> None:
 
 def _enabled(gpu_layers) -> bool:
     return gpu_layers == 0 and not os.environ.get("EDGELLM_NO_PRECOMPILE") and sys.platform != "win32"
-
-
-def _worker(path: str, kv_type: str, share: list) -> int:
-    """Run `share`'s steps on one thread, printing "kernel NAME" as each kernel starts compiling and
-    "step" after each step."""
-    from edgellm.kernels.cpu.backend import FUSED_READY
-    from edgellm.kv_cache import kv_type as _kv_type
-    from edgellm.runtime import run_warm_up_step
-
-    cfg, cpu, model = _open(path, 1)
-
-    def on_compile(name: str) -> None:
-        print("kernel", name, flush=True)
-
-    with cpu.kernels.compile_listener(on_compile):
-        for step in share:
-            step = tuple(tuple(s) if isinstance(s, list) else s for s in step)  # (JSON made the layers a list)
-            # the one-token steps compile the unfused kernels (what decodes while the fused one compiles)
-            (FUSED_READY.set if step[0] == "layers" else FUSED_READY.clear)()
-            run_warm_up_step(step, cfg, cpu, model, _kv_type(kv_type).kernel_dtype)
-            print("step", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))

@@ -32,77 +32,6 @@ class StepTiming:
         self.seconds[device] = self.seconds.get(device, 0.0) + dt
 
 
-# --- the warm-up: its steps, run at load (Runtime.warm_up) and by precompile's compile workers ----
-PROMPT_TOKENS = 9  # the warm-up's prompt batch: more than one group of 4/8 tokens
-SEQS_TOKENS = 3  # the warm-up's short batch: a prompt's tail, a decode step of several sequences
-
-
-def layer_kinds(model, cfg, layer_devices) -> dict:
-    """(tensor types and rows, sliding window, last layer) -> the first CPU layer of that kind."""
-    last = len(layer_devices) - 1
-    kinds: dict = {}
-    for il, d in enumerate(layer_devices):
-        if d == "cpu":
-            w = tuple((getattr(t, "ggml_type", None), getattr(t, "n_rows", None)) for t in vars(model.blocks[il]).values())
-            kinds.setdefault((w, cfg.swa_layers[il], il == last), il)
-    return kinds
-
-
-def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fused: bool = True) -> list[tuple]:
-    """The warm-up's steps: ("block", il, n_tok, last_only) for one CPU layer of each kind (a prompt
-    batch; on the last layer the same batch with only its last row going on; a short batch: a
-    prompt's tail or a decode step of several sequences), one token through the layers: ("layers", (il, ...), 1), one layer
-    of each kind in one fused call as a decode step of an all-CPU model runs them (the kernel
-    variant of all their types together), or ("block", il, 1, False) per kind when some layers are
-    on the GPU (the CPU layers then decode one by one), or when `fused` is False (the fused decode
-    kernel is not to be run yet: kernels.cpu.backend.FUSED_READY; the one-token block then runs the
-    unfused kernels); then ("head", n_tok) for the output head's products when they run on the CPU."""
-    last = len(layer_devices) - 1
-    all_cpu = all(d == "cpu" for d in layer_devices) and fused
-    batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + [
-        (SEQS_TOKENS, False)]
-    kinds = tuple(layer_kinds(model, cfg, layer_devices).values())
-    steps = []
-    for il in kinds:
-        for n, last_only in batches:
-            if not last_only or il == last:
-                steps.append(("block", il, n, last_only))
-    if all_cpu and kinds:
-        steps.append(("layers", kinds, 1))
-    if output_device == "cpu" and hasattr(model.output, "ggml_type"):
-        steps += [("head", n) for n in (PROMPT_TOKENS, 1, SEQS_TOKENS)]
-    return steps
-
-
-def run_warm_up_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
-    """One warm-up step on scratch buffers: blocks on 16-slot scratch caches of kv_dtype (reading
-    only those layers' weights), or the head's products on 8 of its rows."""
-    def scratch_kv(il):
-        window = cfg.sliding_window if cfg.swa_layers[il] else 0
-        return cpu.kv_layer(16, cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v, kv_dtype, window)
-
-    if step[0] == "block":
-        _, il, n, last_only = step
-        x = model.embed(np.zeros(n, np.int64))
-        model.block(il, cpu, x, np.arange(n, dtype=np.int64), scratch_kv(il), rows=slice(n - 1, n) if last_only else None)
-    elif step[0] == "layers":
-        _, layers, n = step
-        kvs = [scratch_kv(il) for il in layers]
-        pos = np.arange(n, dtype=np.int64)
-        if not model.decode_all(model.embed(np.zeros(n, np.int64)), pos, kvs, layers=list(layers)):
-            for il, kv in zip(layers, kvs):  # the unfused ops, layer by layer
-                model.block(il, cpu, model.embed(np.zeros(n, np.int64)), pos, kv)
-    else:
-        _, n = step
-        w = model.output
-        rows = cpu.kernels.bind(w.ggml_type, w.data[:8], w.n_cols)
-        if not w.data.flags.writeable:
-            rows.pack()  # a mapped Q4_K head is packed by eight (CPUBackend._matrix): load those kernels
-        h = np.zeros((n, cfg.n_embd), np.float32)
-        cpu.rms_norm(h, model.output_norm, cfg.rms_eps, h)
-        rows.matmul(h, np.empty((n, 8), np.float32))
-
-
 class Runtime:
     """The model's layers on their backends and its KV cache, as `plan` (edgellm.planner.Plan) places
     them: plan.layers (a device per block), plan.output_device, plan.shape (n_ctx, n_batch, n_seq,
@@ -138,58 +67,13 @@ class Runtime:
                              n_seq=self.n_seq, kv_type=shape.kv_type, kv_size=shape.kv_size)
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
         self.seq = None  # the single-context API's sequence (created on first use)
-        self._kernels_loaded = -1  # loaded CPU kernel count when the compiler was last released
-        self._decode_checks = 0
-        self._fused_pending = False  # the fused decode kernel was still compiling at the warm-up
-        self.warm_up(on_compile)
-        cpu.make_resident(self.model)
-
-    def warm_up(self, on_compile=None) -> None:
-        """Load the CPU kernels a prompt and a decode step run before any weight is read, then hand
-        the compiler's memory back (kernels.cpu.release_compiler). Loading kernels runs LLVM, whose
-        pages would otherwise stay resident beside the weights for the whole run. One CPU layer of
-        each kind (its tensor types and row counts, sliding window or not, last or not) runs a
-        9-token batch and a token on a scratch cache, reading only that layer's weights (and a
-        3-token batch, the decode step of several sequences, when there can be several); the output
-        head's products run on 8 of its rows. on_compile(kernel_name), if given, is called as each
-        kernel starts compiling (the first run of an install; later runs load them from disk)."""
-        cpu = self.backends["cpu"]
-        if on_compile is not None:
-            with cpu.kernels.compile_listener(on_compile):
-                self._warm_up(cpu)
-        else:
-            self._warm_up(cpu)
+        self._each_backend = list({id(b): b for b in backends.values()}.values())
+        # each backend loads what the steps will run before any weight is read (the CPU: its kernels)
+        for b in self._each_backend:
+            b.prepare(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq,
+                      self.cache.kv_type.kernel_dtype, on_compile=on_compile)
         self.model.offloaded = 0.0
-        self._release_compiler()
-
-    def _warm_up(self, cpu) -> None:
-        from edgellm.kernels.cpu.backend import FUSED_READY
-
-        dtype = self.cache.kv_type.kernel_dtype  # a quantized cache's attention runs the float32 kernels
-        self._fused_pending = not FUSED_READY.is_set()
-        steps = warm_up_steps(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq,
-                              fused=not self._fused_pending)
-        for step in steps:
-            run_warm_up_step(step, self.cfg, cpu, self.model, dtype)
-
-    def _fused_ready(self) -> bool:
-        """The fused decode kernel, still compiling at the warm-up, is ready now (True once)."""
-        from edgellm.kernels.cpu.backend import FUSED_READY
-
-        if FUSED_READY.is_set():
-            self._fused_pending = False
-            return True
-        return False
-
-    def _release_compiler(self) -> None:
-        """Release the compiler's pages if kernels were loaded since the last time."""
-        if "cpu" not in self.backends:
-            return
-        kernels = self.backends["cpu"].kernels
-        n = kernels.loaded_kernels()
-        if n != self._kernels_loaded:
-            kernels.release_compiler()
-            self._kernels_loaded = n
+        cpu.make_resident(self.model)
 
     # ---------------------------------------------------------------------------------------
     def exact_decode_rows(self) -> int:
@@ -311,6 +195,8 @@ class Runtime:
             logits = self.model.head(x)
             timing.add(ob.device, time.perf_counter() - t0)
         timing.tokens += n
+        for b in self._each_backend:
+            b.after_step((len(entries), n))
         held = {id(seq) for seq in hold}
         for seq, t in entries:
             if id(seq) not in held:
@@ -361,14 +247,9 @@ class Runtime:
         ids = self._ids(tokens)
         seq = self._own_seq()
         self._check_room(seq, len(ids))
-        # the fused decode kernel, still compiling at the warm-up, is loaded from the cache by this step
-        taking_up = self._fused_pending and self._fused_ready()
         logits = None
         for i in range(0, len(ids), self.n_batch):
             logits = self._run(seq, ids[i : i + self.n_batch], all_logits=False)
-        if len(ids) > 1 or self._decode_checks < 2 or taking_up:  # a kernel warm_up did not foresee
-            self._decode_checks += len(ids) == 1
-            self._release_compiler()
         return logits[-1]
 
     def logits(self, tokens, first: int = 0) -> np.ndarray:
@@ -381,9 +262,7 @@ class Runtime:
         seq = self._own_seq()
         self._check_room(seq, len(ids))
         if len(ids) <= self.n_batch:  # one batch: its logits are the answer, no copy
-            logits = self.forward([(seq, ids)], rows=None if first == 0 else list(range(first, len(ids))))
-            self._release_compiler()
-            return logits
+            return self.forward([(seq, ids)], rows=None if first == 0 else list(range(first, len(ids))))
         out = np.empty((len(ids) - first, self.cfg.n_vocab), dtype=np.float32)
         for i in range(0, len(ids), self.n_batch):
             chunk = ids[i : i + self.n_batch]
@@ -392,7 +271,6 @@ class Runtime:
             got = self.forward([(seq, chunk)], rows=rows)
             if len(got):
                 out[i + lo - first : i + len(chunk) - first] = got
-        self._release_compiler()
         return out
 
     def _ids(self, tokens) -> np.ndarray:

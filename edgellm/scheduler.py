@@ -113,7 +113,6 @@ class Engine:
         self._closed = False
         self._driven_at = 0.0  # when a caller last ran a step (Engine.drive)
         self.dedicated: threading.Thread | None = None  # the thread in run_forever, if one is
-        self._shapes: set = set()  # (entries, tokens) of the steps run so far
         self.counters = dict(requests=0, finished=0, cancelled=0, preemptions=0, prompt_tokens=0,
                              cached_tokens=0, gen_tokens=0, steps=0)
 
@@ -458,10 +457,6 @@ class Engine:
                 self._verify(s, logits[r0:r0 + n])
             else:
                 self._sample(s, logits[r0])
-        shape = (len(entries), t)
-        if shape not in self._shapes:  # a batch of a new shape may have loaded kernels
-            self._shapes.add(shape)
-            self.runtime._release_compiler()
 
     def _forward(self, entries, rows, hold) -> np.ndarray:
         """The step's forward pass; with batch_invariant, separate passes: the one-token entries by

@@ -110,14 +110,13 @@ def verify(sample, rows, proposal: list[int], history: list[int]) -> list[int]:
 
 
 # --- when to speculate ------------------------------------------------------------------------------
-# The acceptance a probe assumes: about the best a draft keeps on text it predicts well (the Qwen
-# 0.5B drafting code for the 1.5B keeps 91-95 %). A length that would pay only at a higher rate
+# The acceptance a probe assumes: about the best a draft keeps on text it predicts well (a small
+# draft of code for its larger sibling: docs/performance.md). A length that would pay only at a higher rate
 # is never probed: the probe's drafting and the draft's catch-up cost more than it could win.
 PROBE_RATE = 0.95
 # Until measured, with a draft model: a verification row costs ROW_PRIOR of a one-token step (the
-# one-token order computes every row; measured 0.4-0.5 on two cores), and a draft step the size
-# ratio times DRAFT_PRIOR_SCALE (a smaller model reads its weights at a lower rate: the Qwen 0.5B
-# at 0.6 of the 1.5B's). Guessed low, a new request drafts, and pays the draft's catch-up, where
+# one-token order computes every row: docs/performance.md), and a draft step the size ratio times
+# DRAFT_PRIOR_SCALE (a smaller model reads its weights at a lower rate). Guessed low, a new request drafts, and pays the draft's catch-up, where
 # no length pays.
 ROW_PRIOR = 0.45
 # A draft model's probe also makes the draft catch up on the tokens since its last proposal: a

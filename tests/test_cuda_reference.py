@@ -477,10 +477,10 @@ def test_linear_q8_ref_matches_the_cpu_backend_for_every_quant_type():
 
 
 def test_kv_quantizer_ref_equals_the_cpu_backends_cache_bytes():
-    """quantize_kv_ref is what the CPU backend's kv_store writes (kernels.cpu.backend.quantize_kv_rows:
+    """quantize_kv_ref is what the CPU backend's kv_store writes (kernels.cpu.numpy_backend.quantize_kv_rows:
     Q8_0 as x86's quantize_row_q8_0, Q4_0 as ggml's reference), byte for byte, on the corners hard_kv
     plants; and known values."""
-    from edgellm.kernels.cpu.backend import quantize_kv_rows
+    from edgellm.kernels.cpu.numpy_backend import quantize_kv_rows
 
     x = hard_kv(6, 64, np.random.default_rng(12))
     for kind, ggml_type in KV_QUANT_TYPES.items():

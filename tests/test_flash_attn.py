@@ -1,7 +1,7 @@
 """llama.cpp's CPU flash attention over an f16 cache (load(..., flash_attn="on")): the Numba kernel
-ops.attend_flash_f16 against its NumPy twin reference.flash_attn_f16, bit for bit, for each of
+flash.attend_flash_f16 against its NumPy twin reference.flash_attn_f16, bit for bit, for each of
 ggml's three kernels (one-chunk, tiled, split-KV), with masked, empty and sliding-window keys
-(ops.attend_flash_f16_tiled takes the tiled rows, by q tiles of 64: 100 rows make a tile of 36)."""
+(flash.attend_flash_f16_tiled takes the tiled rows, by q tiles of 64: 100 rows make a tile of 36)."""
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +56,7 @@ def _reference(q, kc, vc, kpos, pos, window, scale, kernel, n_cells, n_split):
     ("split", 520, 1, 64, 32, 100, 4),
 ])
 def test_flash_f16_kernel_equals_reference(kernel, n_keys, n_tok, hd, hdv, window, n_split):
-    from edgellm.kernels.cpu import ops
+    from edgellm.kernels.cpu import flash
     from edgellm.kernels.cpu import reference as ref
 
     rng = np.random.default_rng(n_keys * 31 + n_tok)
@@ -67,13 +67,13 @@ def test_flash_f16_kernel_equals_reference(kernel, n_keys, n_tok, hd, hdv, windo
     if kernel == "split":
         assert ref.flash_kernel(1, n_cells) == "split"
     scale = F32(1 / np.sqrt(hd))
-    kinds = {"one_chunk": ops.FA_ONE_CHUNK, "tiled": ops.FA_TILED, "split": ops.FA_SPLIT}
+    kinds = {"one_chunk": flash.FA_ONE_CHUNK, "tiled": flash.FA_TILED, "split": flash.FA_SPLIT}
     got = np.full((n_tok, n_head * hdv), np.nan, F32)
     if kernel == "tiled":
-        ops.attend_flash_f16_tiled(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, 0, n_keys, pos, window,
+        flash.attend_flash_f16_tiled(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, 0, n_keys, pos, window,
                                    scale, got)
     else:
-        ops.attend_flash_f16(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, kbeg, kend, pos, window, scale,
+        flash.attend_flash_f16(q, kc.view(np.uint16), vc.view(np.uint16), kpos, kmap, kbeg, kend, pos, window, scale,
                              np.full(n_tok, kinds[kernel], np.int64), np.full(n_tok, n_cells, np.int64), n_split,
                              got)
     expect = _reference(q, kc, vc, kpos, pos, window, scale, kernel, n_cells, n_split)
@@ -100,13 +100,14 @@ def test_the_three_kernels_differ():
 
 @pytest.mark.parametrize("window", [0, 40])
 def test_backends_flash_attention_on_a_paged_cache(window):
-    """CPUBackend(flash_attn=True) (ops.attend_flash_f16) equals NumpyBackend(flash_attn=True)
+    """CPUBackend(flash_attn=True) (flash.attend_flash_f16) equals NumpyBackend(flash_attn=True)
     (reference.flash_attn_f16 head by head) bit for bit on a paged f16 cache: two sequences, a
     70-token prompt (tiled), a ragged step (5 tokens: one-chunk; a decode token), decode tokens
     past 256 cached cells (split-KV into `threads` = 2 ranges), GQA 2, a sliding window."""
     from types import SimpleNamespace
 
-    from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
+    from edgellm.kernels.cpu.numpy_backend import NumpyBackend
     from edgellm.kv_cache import KVCache
     from paged import attention_step
 

@@ -241,7 +241,7 @@ def test_attention_dot_products_follow_ggml(n_acc, dtype):
     kc = kv.k[:used, 0]
     qr = q[0, 0].astype(dtype).astype(np.float32)
     s = (ref.dot_f16(kc, qr, n_acc) * np.float32(0.125)).astype(np.float32)
-    from edgellm.kernels.cpu.backend import expf_ggml
+    from edgellm.kernels.cpu.numpy_backend import expf_ggml
 
     e = expf_ggml(s - s.max())
     pad = np.zeros((-len(e)) % 8, np.float32)
@@ -280,7 +280,7 @@ def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n
     expect = np.empty_like(out)
     used = kv.n_used
     kmap, kbeg, kend = np.arange(used), np.zeros(n_tok, np.int64), np.full(n_tok, used, np.int64)
-    b.ops.attend_ggml(q, kc, vc, kv.pos, kmap, kbeg, kend, pos, kv.window, np.float32(0.125), 1, expect,
+    b.attn_kernels.attend_ggml(q, kc, vc, kv.pos, kmap, kbeg, kend, pos, kv.window, np.float32(0.125), 1, expect,
                       kc.dtype.type(0))
     np.testing.assert_array_equal(out, expect)
 
@@ -288,7 +288,7 @@ def test_batch_attention_equals_the_per_query_kernel(n_head, n_kv, hd, window, n
 def _attention_reference(qh, keys, values, visible, dtype, n_acc, scale=np.float32(0.125)):
     """One head of one token over its key list (rows of keys / values as the cache holds them; a key
     not visible scores -inf): ggml's order, as in test_attention_dot_products_follow_ggml."""
-    from edgellm.kernels.cpu.backend import expf_ggml
+    from edgellm.kernels.cpu.numpy_backend import expf_ggml
 
     kf = keys.astype(np.float32)
     qr = qh.astype(dtype).astype(np.float32)
@@ -313,9 +313,9 @@ def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, 
     """Decode attention (vec_dot_f16's four accumulators) for n sequences at once, each token over
     its own keys scattered over a shared pool of slots: every head of every token equals the NumPy
     reference bit for bit, for attend_ggml (head by head) and attend_decode (the heads of a KV
-    head together: 3, 4, 6, 8 of them, in passes of ops.DECODE_HEADS; split when there are few
+    head together: 3, 4, 6, 8 of them, in passes of attention.DECODE_HEADS; split when there are few
     KV heads)."""
-    from edgellm.kernels.cpu import ops
+    from edgellm.kernels.cpu import attention
 
     n_slots = 64 * n_seq + 16
     zero = np.float16(0).view(np.uint16) if dtype == np.float16 else np.float32(0)
@@ -339,9 +339,9 @@ def test_decode_attention_of_many_sequences_follows_ggml_per_head(n_head, n_kv, 
     k_arg = kc.view(np.uint16) if dtype == np.float16 else kc
     v_arg = vc.view(np.uint16) if dtype == np.float16 else vc
     if kernel == "attend_ggml":
-        ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), 4, out, zero)
+        attention.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), 4, out, zero)
     else:
-        ops.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), out, zero)
+        attention.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, window, np.float32(0.125), out, zero)
     g = n_head // n_kv
     for t in range(n_seq):
         mine = kmap[kbeg[t]:kend[t]]
@@ -357,7 +357,7 @@ def test_decode_attention_with_heads_whose_probabilities_underflow(dtype):
     while its neighbours' are not, so attend_decode's value sum takes its per-head path for those
     keys; every output equals attend_ggml's (head by head, checked against NumPy above) bit for bit,
     and the peaked heads did have zero probabilities to skip."""
-    from edgellm.kernels.cpu import ops
+    from edgellm.kernels.cpu import attention
 
     n_head, n_kv, hd, n_keys = 8, 2, 64, 300
     kc = RNG.standard_normal((n_keys, n_kv, hd)).astype(dtype)
@@ -373,8 +373,8 @@ def test_decode_attention_with_heads_whose_probabilities_underflow(dtype):
     v_arg = vc.view(np.uint16) if dtype == np.float16 else vc
     expect = np.full((1, n_head * hd), np.nan, np.float32)
     got = expect.copy()
-    ops.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), 4, expect, zero)
-    ops.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), got, zero)
+    attention.attend_ggml(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), 4, expect, zero)
+    attention.attend_decode(q, k_arg, v_arg, kpos, kmap, kbeg, kend, pos, 0, np.float32(0.125), got, zero)
     np.testing.assert_array_equal(got, expect)
     scores = np.einsum("d,kd->k", q[0, 0], kc[:, 0].astype(np.float32)) * 0.125
     assert (scores.max() - scores > 110).sum() > n_keys // 2  # exp of these is 0 in float32
@@ -384,12 +384,13 @@ def test_decode_attention_with_heads_whose_probabilities_underflow(dtype):
 @pytest.mark.parametrize("window", [0, 8])
 def test_quantized_cache_attention_is_ggml_flash_attention_bit_for_bit(kind, window):
     """A q8_0 / q4_0 cache is read as llama.cpp's CPU flash attention reads it (the query as Q8_0
-    blocks, integer block dot products, an online softmax): ops.attend_flash_quant (CPUBackend)
+    blocks, integer block dot products, an online softmax): flash.attend_flash_quant (CPUBackend)
     equals reference.flash_attn_quant (NumpyBackend, head by head) bit for bit; two sequences on a
     paged cache, a prompt then a ragged step, GQA 2, hd_k 64 != hd_v 32, a sliding window."""
     from types import SimpleNamespace
 
-    from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend
+    from edgellm.kernels.cpu.backend import CPUBackend
+    from edgellm.kernels.cpu.numpy_backend import NumpyBackend
     from edgellm.kv_cache import KVCache
     from paged import attention_step
 

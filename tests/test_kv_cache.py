@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgellm.kernels.cpu.backend import NumpyBackend
+from edgellm.kernels.cpu.numpy_backend import NumpyBackend
 from edgellm.errors import InvalidArgumentError
 from edgellm.kv_cache import (BLOCK_SIZE, BlockPool, KVCache, block_hashes, blocks_per_sequence,
                               build_layouts, kv_bytes_per_token, pool_blocks)

@@ -337,10 +337,10 @@ def test_twelve_decode_tokens_of_legacy_types_go_through_the_fused_block_bit_for
 
 
 def test_decode_steps_run_the_unfused_kernels_until_the_fused_one_is_ready(synthetic):
-    """While the first run's worker still compiles the fused decode kernel (FUSED_READY clear), the
+    """While the first run's worker still compiles the fused decode kernel (jit.STATE), the
     warm-up and the decode steps run the unfused kernels; the step after it is ready takes the fused
     kernel up. The logits are the same bits either way."""
-    from edgellm.kernels.cpu.backend import FUSED_READY
+    from edgellm.kernels.cpu.jit import STATE
 
     path = synthetic("gemma3", T.Q4_K)
     cpu = CPUBackend()
@@ -357,18 +357,18 @@ def test_decode_steps_run_the_unfused_kernels_until_the_fused_one_is_ready(synth
             return real.decode_layers(*a)
 
     cpu._fused_ops = Spy()
-    FUSED_READY.clear()
+    STATE.fused_compiling()
     try:
         rt = runtime(path, {"cpu": cpu}, n_ctx=64)
-        assert calls == [] and rt._fused_pending
+        assert calls == [] and cpu.compiler.fused_pending
         rt.eval(TOKENS[:6])
         unfused = [rt.eval([t]).copy() for t in TOKENS[6:10]]
         assert calls == []
-        FUSED_READY.set()
+        STATE.fused_compiled()
         fused = [rt.eval([t]).copy() for t in TOKENS[10:13]]
-        assert calls == [1, 1, 1] and not rt._fused_pending
+        assert calls == [1, 1, 1] and not cpu.compiler.fused_pending
     finally:
-        FUSED_READY.set()
+        STATE.fused_compiled()
     rt.reset()
     rt.eval(TOKENS[:6])
     again = [rt.eval([t]).copy() for t in TOKENS[6:13]]  # fused from the start

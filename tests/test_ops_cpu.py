@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from edgellm.backend import qkv_attention_by_ops
-from edgellm.kernels.cpu.backend import CPUBackend, NumpyBackend, rope_cache
+from edgellm.kernels.cpu.backend import CPUBackend
+from edgellm.kernels.cpu.numpy_backend import NumpyBackend, rope_cache
 
 F32 = np.float32
 RNG = np.random.default_rng(2024)
@@ -98,7 +99,7 @@ def test_activations(shape):
 def test_silu_takes_ggml_exp_bit_for_bit():
     """SiLU's full groups of 8 (eight lanes at a time in the kernel) are g / (1 + expf_ggml(-g)) * up
     to the bit, overflow and underflow included; the tail of a row takes the C library's expf."""
-    from edgellm.kernels.cpu.backend import expf_ggml
+    from edgellm.kernels.cpu.numpy_backend import expf_ggml
 
     gate, up = randn(3, 1540, scale=8.0), randn(3, 1540)
     gate[0, :20] = [np.inf, -np.inf, 100, -100, 89, -89, 88.7, -88.7, 1e-30, -1e-30, 0, -0.0, 127, -127,
@@ -238,7 +239,7 @@ def test_f16_cache_conversion_is_exact():
 _ATTEND_IN_A_PROCESS = """
 import sys
 import numpy as np
-from edgellm.kernels.cpu import ops
+from edgellm.kernels.cpu import attention
 rng = np.random.default_rng(0)
 kc = rng.standard_normal((64, 2, 64)).astype(np.float16).view(np.uint16)
 vc = rng.standard_normal((64, 2, 64)).astype(np.float16).view(np.uint16)
@@ -246,7 +247,7 @@ q = rng.standard_normal((1, 4, 64)).astype(np.float32)
 kpos = np.full(64, -1, np.int64)
 kpos[:20] = np.arange(20)
 out = np.empty((1, 256), np.float32)
-getattr(ops, sys.argv[1])(q, kc, vc, kpos, np.arange(64, dtype=np.int64), np.array([0]), np.array([20]),
+getattr(attention, sys.argv[1])(q, kc, vc, kpos, np.arange(64, dtype=np.int64), np.array([0]), np.array([20]),
                           np.array([19]), 0, np.float32(0.125), out, kc[0, 0, 0])
 print(out.astype(np.float64).sum().hex())
 """

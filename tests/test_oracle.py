@@ -74,7 +74,7 @@ def test_real_model_matches_llamacpp(name):
     top1, kls = np.concatenate(top1), np.concatenate(kls)
     print(f"{name}: top-1 {top1.mean():.4f}, mean KL {kls.mean():.5f}, max KL {kls.max():.4f}, "
           f"greedy identical {greedy_same}/{len(records)}, max |logit diff| {max_diff:.2e}")
-    # Every product, attention sum, exp and rounding follows ggml's x86 code (kernels/cpu/rowdot.py,
+    # Every product, attention sum, exp and rounding follows ggml's x86 code (kernels/cpu/ir/,
     # the tiled K-quant prompt order in kquants.py): both files come out bit for bit.
     assert max_diff == 0.0
     assert greedy_same == len(records)

@@ -58,8 +58,9 @@ def test_nothing_compiled_prints_nothing():
 
 @pytest.mark.real
 def test_groups_split_the_prompt_the_unfused_decode_and_the_fused_decode(smollm2_path, gemma3_path):
-    from edgellm.precompile import _open, step_groups, worker_shares
-    from edgellm.runtime import PROMPT_TOKENS, SEQS_TOKENS
+    from edgellm.kernels.cpu.warmup import open_model as _open
+    from edgellm.kernels.cpu.warmup import step_groups, worker_shares
+    from edgellm.kernels.cpu.warmup import PROMPT_TOKENS, SEQS_TOKENS
 
     cfg, _, model = _open(str(smollm2_path), 1)
     prompt, one, layers = step_groups(model, cfg)
@@ -180,7 +181,9 @@ def test_every_known_model_has_a_stand_in_that_opens(tmp_path):
     from gguf import GGMLQuantizationType
 
     from edgellm.fetch import KNOWN_MODELS
-    from edgellm.precompile import _open, step_groups, write_stand_in
+    from edgellm.kernels.cpu.warmup import open_model as _open
+    from edgellm.kernels.cpu.warmup import step_groups
+    from edgellm.precompile import write_stand_in
 
     for name, known in KNOWN_MODELS.items():
         path = write_stand_in(known.stand_in, tmp_path / f"{name}.gguf")

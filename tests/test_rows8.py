@@ -1,4 +1,4 @@
-"""The eight-row decode kernels (kernels/cpu/rows8.py) and the Q4_0 eight-rows x four-tokens prompt
+"""The eight-row decode kernels (kernels/cpu/ir/rows8.py, ir/packed.py) and the Q4_0 eight-rows x four-tokens prompt
 tile give each row the one-row kernel's result bit for bit (same float order), including the rows
 and tokens left over after the groups of eight rows / four tokens."""
 import functools
@@ -17,9 +17,9 @@ from quant_blocks import random_rows
 def kernels():
     from edgellm.kernels import cpu
     from edgellm.kernels.cpu.common import U, njit
-    from edgellm.kernels.cpu.kquants import _row_q4_k
-    from edgellm.kernels.cpu.legacy import _row_q4_0
-    from edgellm.kernels.cpu.rowdot import rowdot_q5_0, rowdot_q8_0
+    from edgellm.kernels.cpu.kquants import row_q4_k
+    from edgellm.kernels.cpu.legacy import row_q4_0
+    from edgellm.kernels.cpu.ir.legacy import rowdot_q5_0, rowdot_q8_0
 
     @njit(cache=False)
     def one_row_products(kind, raw, xq, xd, xs, n_tok, out):
@@ -28,15 +28,15 @@ def kernels():
         for t in range(n_tok):
             for r in range(raw.shape[0]):
                 if kind == 0:
-                    out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
+                    out[t, r] = row_q4_0(raw[r], xq, xd, xs, U(t), nb)
                 elif kind == 2:
                     out[t, r] = rowdot_q8_0(raw[r], U(0), xq, U(t) * nb * U(32), xd, U(t) * nb, nb)
                 elif kind == 1:
-                    out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
+                    out[t, r] = row_q4_k(raw[r], xq, xd, xs, U(t), nb, False)
                 elif kind == 4:
                     out[t, r] = rowdot_q5_0(raw[r], U(0), xq, U(t) * nb * U(32), xd, U(t) * nb, nb)
                 else:  # Q4_K in a batch: llama.cpp's four-token order for the groups of four
-                    out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_tok - n_tok % 4)
+                    out[t, r] = row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_tok - n_tok % 4)
 
     return cpu, one_row_products
 
@@ -122,7 +122,9 @@ def test_outlined_kernels_are_calls_of_their_own_with_the_same_bits():
     gets the inlined kernel's result bit for bit."""
     import re
 
-    from edgellm.kernels.cpu import fused, kquants, rowdot, rows8
+    from edgellm.kernels.cpu import fused, kquants
+    from edgellm.kernels.cpu.ir import kquants as ir_kquants
+    from edgellm.kernels.cpu.ir import packed as ir_packed
     from edgellm.kernels.cpu.common import U, njit
 
     cpu, _ = kernels()
@@ -148,7 +150,7 @@ def test_outlined_kernels_are_calls_of_their_own_with_the_same_bits():
         run(packed, q6, xq, xd, xs, out4, out6)
         return run, out4, out6
 
-    inl, in4, in6 = products(rows8.il8_q4_k, rowdot.rowdot_q6_k)
+    inl, in4, in6 = products(ir_packed.il8_q4_k, ir_kquants.rowdot_q6_k)
     out, out4, out6 = products(fused.il8_q4_k, fused.rowdot_q6_k)
     assert np.array_equal(in4.view(np.uint32), out4.view(np.uint32)) and not np.isnan(in4).any()
     assert np.array_equal(in6.view(np.uint32), out6.view(np.uint32)) and not np.isnan(in6).any()
@@ -163,7 +165,8 @@ def test_outlined_kernels_are_calls_of_their_own_with_the_same_bits():
 def test_several_tokens_over_packed_q4_k_get_each_ones_bits(n_tok):
     """il8x2 / il8x3 / il8n4_q4_k (a verification step's rows: the weights read once for two to
     four tokens) give each token il8_q4_k's result alone, bit for bit, and so the one-row kernel's."""
-    from edgellm.kernels.cpu import kquants, rows8
+    from edgellm.kernels.cpu import kquants
+    from edgellm.kernels.cpu.ir import packed as ir_packed
     from edgellm.kernels.cpu.common import U, njit
 
     cpu, one_row_products = kernels()
@@ -174,14 +177,14 @@ def test_several_tokens_over_packed_q4_k_get_each_ones_bits(n_tok):
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
     x[:, ::13] *= 30.0
     xq, xd, xs = cpu.bind(GGMLType.Q4_K, raw, n_cols).quantize_batch(x).parts[:3]
-    many = {2: rows8.il8x2_q4_k, 3: rows8.il8x3_q4_k, 4: rows8.il8n4_q4_k}[n_tok]
+    many = {2: ir_packed.il8x2_q4_k, 3: ir_packed.il8x3_q4_k, 4: ir_packed.il8n4_q4_k}[n_tok]
     nb, rb = U(n_cols // 256), U(packed.shape[1])
 
     @njit(cache=False)
     def run(packed, xq, xd, xs, alone, together):
         for g in range(packed.shape[0] // 8):
             for t in range(n_tok):
-                rows8.il8_q4_k(packed, U(8 * g) * rb, xq, xd, xs, U(t) * nb, nb, alone, U(t * n_rows + 8 * g))
+                ir_packed.il8_q4_k(packed, U(8 * g) * rb, xq, xd, xs, U(t) * nb, nb, alone, U(t * n_rows + 8 * g))
             many(packed, U(8 * g) * rb, xq, xd, xs, U(0), nb, together, U(8 * g), U(n_rows))
 
     alone, together = (np.full(n_tok * n_rows, np.nan, np.float32) for _ in range(2))
@@ -196,10 +199,10 @@ def test_several_tokens_over_packed_q4_k_get_each_ones_bits(n_tok):
 @pytest.mark.parametrize("n_tok", [2, 3, 4, 5, 7])
 def test_q6_k_rows_for_several_tokens_get_each_ones_bits(n_tok):
     """rows_q6_k (a verification step's head and Q6_K rows: each row unpacked once for up to four
-    tokens, rowdot.rowdotx2 / x4_q6_k) gives every (token, row) rowdot_q6_k's one-token result."""
+    tokens, ir.kquants.rowdotx2 / x4_q6_k) gives every (token, row) rowdot_q6_k's one-token result."""
     from edgellm.kernels.cpu import kquants
     from edgellm.kernels.cpu.common import U, njit
-    from edgellm.kernels.cpu.rowdot import rowdot_q6_k
+    from edgellm.kernels.cpu.ir.kquants import rowdot_q6_k
 
     cpu, _ = kernels()
     rng = np.random.default_rng(400 + n_tok)
@@ -227,9 +230,9 @@ def test_q6_k_rows_for_several_tokens_get_each_ones_bits(n_tok):
 def test_q5_0_rows_by_eight_equal_the_one_row_kernel(n_cols):
     """rows8_q5_0 (the decode step's Q5_0 rows, eight at a time: Qwen2.5-0.5B's 896-wide rows are
     Q5_0 in its Q4_K_M file) gives each row rowdot_q5_0's result bit for bit."""
-    from edgellm.kernels.cpu import rows8
+    from edgellm.kernels.cpu.ir import rows8
     from edgellm.kernels.cpu.common import U, njit
-    from edgellm.kernels.cpu.rowdot import rowdot_q5_0
+    from edgellm.kernels.cpu.ir.legacy import rowdot_q5_0
 
     cpu, _ = kernels()
     rng = np.random.default_rng(n_cols)

@@ -1,5 +1,5 @@
 """Pieces every kernel family shares: bit casts, f16 <-> f32, llama.cpp's activation formats, and
-the integer dot products of one block.
+`outlined` (an intrinsic compiled as a function of its own). The IR building blocks live in `ir/`.
 
 Activations (x of a product) are converted exactly as ggml's CPU backend converts them to the
 weight type's `vec_dot_type` before every product (x86 / AVX2 rounding), so that products match
@@ -29,20 +29,18 @@ import functools
 import hashlib
 import itertools
 
-import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange, types  # noqa: F401  (prange: re-exported to the families)
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from edgellm.kernels.cpu import use_cache_dir
+from edgellm.kernels.cpu.host import F16C
+from edgellm.kernels.cpu.ir.builder import llvm_fn
 
 # Every kernel module imports this one before defining its kernels: the disk cache is the folder of
-# this package's source digest however a module was reached (a direct `import
-# edgellm.kernels.cpu.legacy` used to cache into __pycache__, keyed on legacy.py's own date only,
-# and then ran stale machine code after an edit of rows8.py or rowdot.py).
+# this package's source digest however a module was reached (else a module imported directly would
+# cache into __pycache__, keyed on its own date only, and run stale code after an edit in ir/).
 use_cache_dir()
 
 U = np.uint64
@@ -56,32 +54,6 @@ LANES = U(16)  # inner-loop trip count of the dequantize kernels, passed at run 
 JIT = dict(cache=True, nogil=True, parallel=True)
 # Every fast-math flag except reassociation: the block loop stays in order (deterministic).
 FAST_IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
-
-
-def _host_features() -> set[str]:
-    if numba.config.CPU_NAME not in (None, "host"):
-        return set()  # cross-compiling for a generic CPU: portable IR only
-    # NUMBA_CPU_FEATURES, when set, is what LLVM compiles for (e.g. the host less AVX-512)
-    flat = numba.config.CPU_FEATURES or llvm_binding.get_host_cpu_features().flatten()
-    return {f[1:] for f in flat.split(",") if f[:1] == "+"}
-
-
-_FEATURES = _host_features()
-AVX2 = "avx2" in _FEATURES
-# vpdpbusd: four u8 x s8 products summed into each int32 lane in one instruction (AVX-VNNI, or
-# AVX-512 VNNI with 256-bit forms)
-VNNI = AVX2 and ("avxvnni" in _FEATURES or {"avx512vnni", "avx512vl"} <= _FEATURES)
-# AVX-512 with 256-bit forms: 32 vector registers (AVX2 has 16), room for constants kept in them
-REGS32 = AVX2 and {"avx512f", "avx512vl"} <= _FEATURES
-# 512-bit byte ops and vpdpbusd (two tokens' blocks in one vector: rowdot._q8_0_two_rows)
-ZMM_VNNI = REGS32 and {"avx512bw", "avx512vnni"} <= _FEATURES
-# Software prefetch of the weights a decode kernel reads next (rowdot.ROW_AHEAD, rows8.PACKED_AHEAD,
-# rows8.GROUP_AHEAD): on Intel cores it keeps the one-row K-quant kernels from being latency-bound;
-# on AMD Zen cores the prefetches cost instead (measured: docs/performance.md, standing decisions).
-# LLVM's name for the CPU compiled for: "znver1" .. "znver5" on AMD Zen.
-_CPU_NAME = (llvm_binding.get_host_cpu_name() if numba.config.CPU_NAME in (None, "host") else numba.config.CPU_NAME)
-SOFTWARE_PREFETCH = not _CPU_NAME.startswith("znver")
-F16C = "f16c" in _FEATURES or "fp-armv8" in _FEATURES or "neon" in _FEATURES
 
 
 @intrinsic
@@ -324,23 +296,6 @@ def requantize_rows_bf16(x, out):
             dst[j] = round_bf16(row[j])
 
 
-# --- integer dot products of one block, as LLVM vector IR ----------------------------------------
-def _i8(n):
-    return ir.VectorType(ir.IntType(8), n)
-
-
-def _i16(n):
-    return ir.VectorType(ir.IntType(16), n)
-
-
-def _i32(n):
-    return ir.VectorType(ir.IntType(32), n)
-
-
-def _fn(builder, name, ret, params):
-    return builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(ret, params), name)
-
-
 _OUTLINED = itertools.count()
 
 
@@ -349,9 +304,9 @@ def outlined(kernel):
     callers call, instead of inlined into them: the same code, so the same results. For callers
     that inline many row kernels into one large function (fused.decode_layers): there, inlined, a
     kernel's loop shares the register allocation of the whole caller, whose hoisted constants and
-    live values spill around it (measured: docs/performance.md, standing decisions). A call per row costs little next to a row of a few
-    thousand columns, but not next to a small model's short rows (fused.py outlines the K-quants'
-    kernels only)."""
+    live values spill around it (docs/performance.md, standing decisions). A call per row costs
+    little next to a row of a few thousand columns, but not next to a small model's short rows
+    (fused.py outlines the K-quants' kernels only)."""
     defn = kernel.__wrapped__
     tag = f"edgellm.{defn.__name__}.{next(_OUTLINED)}"
 
@@ -364,7 +319,7 @@ def outlined(kernel):
 
         def call(context, builder, signature, args):
             name = f"{tag}.{hashlib.sha1(str(signature).encode()).hexdigest()[:12]}"
-            fn = _fn(builder, name, context.get_value_type(signature.return_type), [a.type for a in args])
+            fn = llvm_fn(builder, name, context.get_value_type(signature.return_type), [a.type for a in args])
             if fn.is_declaration:
                 fn.linkage = "internal"
                 fn.attributes.add("noinline")
@@ -375,250 +330,3 @@ def outlined(kernel):
         return sig, call
 
     return intrinsic(typer)
-
-
-def _splat(builder, value, vec_type):
-    vec = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(vec, ir.Constant(vec_type, ir.Undefined),
-                                  ir.Constant(_i32(vec_type.count), [0] * vec_type.count))
-
-
-def _load(context, builder, arytype, ary, offset, n):
-    """<n x i8> loaded from ary.data + offset (no alignment assumed)."""
-    data = context.make_array(arytype)(context, builder, ary).data
-    ptr = builder.gep(data, [offset])
-    return builder.load(builder.bitcast(ptr, _i8(n).as_pointer()), align=1)
-
-
-def _field(builder, vec, shift, mask):
-    """(vec >> shift) & mask on <n x i8> (shift, mask int32 scalars)."""
-    n = vec.type.count
-    shift8 = _splat(builder, builder.trunc(shift, ir.IntType(8)), _i8(n))
-    mask8 = _splat(builder, builder.trunc(mask, ir.IntType(8)), _i8(n))
-    return builder.and_(builder.lshr(vec, shift8), mask8)
-
-
-def _scaled_sum(builder, u8, s8, sc0, sc1):
-    """int32: sc0 * sum_{j<16} u8[j] * s8[j] + sc1 * sum_{16<=j<32} ...; u8 (<32 x i8>) in
-    0..127 unsigned, s8 signed, |sc| <= 128 (pair sums of products fit int16)."""
-    if AVX2:
-        pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u8, s8])
-        scales = builder.shuffle_vector(
-            _splat(builder, builder.trunc(sc0, ir.IntType(16)), _i16(16)),
-            _splat(builder, builder.trunc(sc1, ir.IntType(16)), _i16(16)),
-            ir.Constant(_i32(16), list(range(8)) + list(range(24, 32))))
-        quads = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [pairs, scales])
-    else:
-        prod = builder.mul(builder.zext(u8, _i32(32)), builder.sext(s8, _i32(32)))
-        scales = builder.shuffle_vector(_splat(builder, sc0, _i32(32)), _splat(builder, sc1, _i32(32)),
-                                        ir.Constant(_i32(32), list(range(16)) + list(range(48, 64))))
-        quads = builder.mul(prod, scales)
-    n = quads.type.count
-    return builder.call(_fn(builder, f"llvm.vector.reduce.add.v{n}i32", ir.IntType(32), [quads.type]), [quads])
-
-
-def _abs_sign(builder, w, x):
-    """(|w| as u8, x * sign(w) as s8): the u8 x s8 form of an s8 x s8 product."""
-    if AVX2:
-        sign = _fn(builder, "llvm.x86.avx2.psign.b", _i8(32), [_i8(32), _i8(32)])
-        return builder.call(sign, [w, w]), builder.call(sign, [x, w])
-    zero = ir.Constant(_i8(32), [0] * 32)
-    neg = builder.icmp_signed("<", w, zero)
-    pos = builder.icmp_signed(">", w, zero)
-    absw = builder.select(neg, builder.sub(zero, w), w)
-    sx = builder.select(neg, builder.sub(zero, x), builder.select(pos, x, zero))
-    return absw, sx
-
-
-_ONE = ir.Constant(ir.IntType(32), 1)
-
-
-@intrinsic
-def dot32_field(typingctx, w, w_off, shift, mask, x, x_off, sc0, sc1):
-    """int32 sum_{j<32} sc(j) * ((w[w_off + j] >> shift) & mask) * x[x_off + j], sc(j) = sc0 for
-    j < 16 else sc1; w uint8, x int8, mask <= 127."""
-    sig = types.int32(w, types.uint64, types.int32, types.int32, x, types.uint64, types.int32, types.int32)
-
-    def codegen(context, builder, signature, args):
-        wv = _field(builder, _load(context, builder, signature.args[0], args[0], args[1], 32), args[2], args[3])
-        xv = _load(context, builder, signature.args[4], args[4], args[5], 32)
-        return _scaled_sum(builder, wv, xv, args[6], args[7])
-
-    return sig, codegen
-
-
-@intrinsic
-def dot32_q4(typingctx, w, w_off, x, x_off):
-    """int32 sum_{j<16} (w[w_off + j] & 15) * x[x_off + j] + (w[w_off + j] >> 4) * x[x_off + 16 + j]:
-    the 16 nibble bytes of a Q4_0 / Q4_1 block against 32 int8 values."""
-    sig = types.int32(w, types.uint64, x, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
-        nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
-                                     ir.Constant(_i32(32), list(range(32))))
-        wv = builder.and_(nib, ir.Constant(_i8(32), [15] * 32))
-        xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
-        return _scaled_sum(builder, wv, xv, _ONE, _ONE)
-
-    return sig, codegen
-
-
-@intrinsic
-def dot32_q5(typingctx, w, w_off, qh, x, x_off):
-    """As dot32_q4 with bit j of qh (uint32) as the 5th bit of weight j (0 <= j < 32)."""
-    sig = types.int32(w, types.uint64, types.uint32, x, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
-        nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
-                                     ir.Constant(_i32(32), list(range(32))))
-        # byte j // 8 of qh into lane j, tested against bit j % 8: 16 where set (shuffle + compare)
-        qh_bytes = builder.bitcast(args[2], _i8(4))
-        spread = builder.shuffle_vector(qh_bytes, ir.Constant(_i8(4), ir.Undefined),
-                                        ir.Constant(_i32(32), [j // 8 for j in range(32)]))
-        bit = builder.and_(spread, ir.Constant(_i8(32), [1 << (j % 8) for j in range(32)]))
-        high = builder.select(builder.icmp_unsigned("!=", bit, ir.Constant(_i8(32), [0] * 32)),
-                              ir.Constant(_i8(32), [16] * 32), ir.Constant(_i8(32), [0] * 32))
-        wv = builder.or_(builder.and_(nib, ir.Constant(_i8(32), [15] * 32)), high)
-        xv = _load(context, builder, signature.args[3], args[3], args[4], 32)
-        return _scaled_sum(builder, wv, xv, _ONE, _ONE)
-
-    return sig, codegen
-
-
-@intrinsic
-def dot32_i8(typingctx, w, w_off, x, x_off):
-    """int32 sum_{j<32} int8(w[w_off + j]) * x[x_off + j]; w uint8 read as int8, x int8."""
-    sig = types.int32(w, types.uint64, x, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        wv = _load(context, builder, signature.args[0], args[0], args[1], 32)
-        xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
-        absw, sx = _abs_sign(builder, wv, xv)
-        return _scaled_sum(builder, absw, sx, _ONE, _ONE)
-
-    return sig, codegen
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """float32 a * b + c with one rounding (llvm.fma; one instruction with FMA hardware)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f = ir.FloatType()
-        return builder.call(_fn(builder, "llvm.fma.f32", f, [f, f, f]), list(args))
-
-    return sig, codegen
-
-
-_EXP_R = F32(float.fromhex("0x1.8p23"))
-_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
-_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
-_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_C = tuple(F32(float.fromhex(h)) for h in
-               ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1"))
-
-
-@njit(inline="always")
-def expf_ggml(x):
-    """exp(x) as ggml's vectorized CPU code computes it on x86 (a polynomial after range reduction,
-    within 1.5 ulp of exp; its softmax and SiLU use it), one lane at a time. -inf -> 0."""
-    z = fma32(x, _EXP_LOG2E, _EXP_R)
-    n = z - _EXP_R
-    b = fma32(-n, _EXP_LN2_LO, fma32(-n, _EXP_LN2_HI, x))
-    e = (U(f32_as_u32(z)) << U(23)) & U(0xFFFFFFFF)
-    k = u32_as_f32(np.uint32((e + U(0x3F800000)) & U(0xFFFFFFFF)))
-    u = b * b
-    j = fma32(fma32(fma32(_EXP_C[0], b, _EXP_C[1]), u, fma32(_EXP_C[2], b, _EXP_C[3])), u, _EXP_C[4] * b)
-    # both of ggml's branches computed and one selected: no jumps, so loops of it vectorize
-    g = U(0x82000000) if n <= F32(0.0) else U(0)
-    s1 = u32_as_f32(np.uint32((g + U(0x7F000000)) & U(0xFFFFFFFF)))
-    s2 = u32_as_f32(np.uint32((e - g) & U(0xFFFFFFFF)))
-    big = s1 * s1 if abs(n) > F32(192.0) else fma32(s2, j, s2) * s1
-    return big if abs(n) > F32(126.0) else fma32(j, k, k)
-
-
-# --- ggml's exp eight lanes at a time -----------------------------------------------------------
-# expf_ggml above, written as <8 x float> IR: the same operations lane by lane (so the same bits),
-# which LLVM does not vectorize from the scalar form (its 32-bit integer steps become 64-bit ones
-# in Numba).
-def _expf_ggml_v8(builder, x):
-    f, v = ir.FloatType(), ir.VectorType(ir.FloatType(), 8)
-    vi = ir.VectorType(ir.IntType(32), 8)
-
-    def c(value):
-        return ir.Constant(v, [float(value)] * 8)
-
-    def ci(value):
-        return ir.Constant(vi, [value] * 8)
-
-    fma = _fn(builder, "llvm.fma.v8f32", v, [v, v, v])
-    fabs = _fn(builder, "llvm.fabs.v8f32", v, [v])
-    z = builder.call(fma, [x, c(_EXP_LOG2E), c(_EXP_R)])
-    n = builder.fsub(z, c(_EXP_R))
-    neg_n = builder.fneg(n)
-    b = builder.call(fma, [neg_n, c(_EXP_LN2_LO), builder.call(fma, [neg_n, c(_EXP_LN2_HI), x])])
-    e = builder.shl(builder.bitcast(z, vi), ci(23))
-    k = builder.bitcast(builder.add(e, ci(0x3F800000)), v)
-    u = builder.fmul(b, b)
-    j = builder.call(fma, [builder.call(fma, [builder.call(fma, [c(_EXP_C[0]), b, c(_EXP_C[1])]), u,
-                                              builder.call(fma, [c(_EXP_C[2]), b, c(_EXP_C[3])])]),
-                           u, builder.fmul(c(_EXP_C[4]), b)])
-    g = builder.select(builder.fcmp_ordered("<=", n, c(0.0)), ci(0x82000000 - (1 << 32)), ci(0))
-    s1 = builder.bitcast(builder.add(g, ci(0x7F000000)), v)
-    s2 = builder.bitcast(builder.sub(e, g), v)
-    an = builder.call(fabs, [n])
-    big = builder.select(builder.fcmp_ordered(">", an, c(192.0)), builder.fmul(s1, s1),
-                         builder.fmul(builder.call(fma, [s2, j, s2]), s1))
-    return builder.select(builder.fcmp_ordered(">", an, c(126.0)), big, builder.call(fma, [j, k, k]))
-
-
-def _vec_ptr(builder, base, offset):
-    return builder.bitcast(builder.gep(base, [offset]), ir.VectorType(ir.FloatType(), 8).as_pointer())
-
-
-@intrinsic
-def exp_shifted(typingctx, s, n, m):
-    """s[j] = expf_ggml(s[j] - m) for j < n (a multiple of 8), 0 where s[j] is -inf (a masked
-    score), eight lanes at a time; s float32."""
-    sig = types.void(s, types.uint64, types.float32)
-
-    def codegen(context, builder, signature, args):
-        s_, n_, m_ = args
-        sp = context.make_array(signature.args[0])(context, builder, s_).data
-        v = ir.VectorType(ir.FloatType(), 8)
-        mv = _splat(builder, m_, v)
-        inf = ir.Constant(v, [float("-inf")] * 8)
-        with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(ir.IntType(64), 8))) as loop:
-            ptr = _vec_ptr(builder, sp, builder.mul(loop.index, ir.Constant(ir.IntType(64), 8)))
-            x = builder.load(ptr, align=4)
-            e = _expf_ggml_v8(builder, builder.fsub(x, mv))
-            builder.store(builder.select(builder.fcmp_ordered("==", x, inf), ir.Constant(v, [0.0] * 8), e), ptr,
-                          align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def silu_mul_v8(typingctx, gate, up, out, off, n):
-    """out[off + i] = gate / (1 + expf_ggml(-gate)) * up at off + i, i < n (a multiple of 8), eight
-    lanes at a time; float32 arrays (flat)."""
-    sig = types.void(gate, up, out, types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        g_, u_, o_, off_, n_ = args
-        gp, up_, op = (context.make_array(t)(context, builder, a).data for t, a in zip(signature.args[:3], args[:3]))
-        v = ir.VectorType(ir.FloatType(), 8)
-        one = ir.Constant(v, [1.0] * 8)
-        with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(ir.IntType(64), 8))) as loop:
-            o = builder.add(off_, builder.mul(loop.index, ir.Constant(ir.IntType(64), 8)))
-            g = builder.load(_vec_ptr(builder, gp, o), align=4)
-            e = _expf_ggml_v8(builder, builder.fneg(g))
-            r = builder.fmul(builder.fdiv(g, builder.fadd(one, e)), builder.load(_vec_ptr(builder, up_, o), align=4))
-            builder.store(r, _vec_ptr(builder, op, o), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen

@@ -3,7 +3,7 @@
 raw uint8 (n_rows, n_cols * 2); `matvec_<t>(raw, xr, out)` takes x already rounded to the
 weight's type (llama.cpp converts x to F16 / BF16 before the product: common.quantize_f16 /
 quantize_bf16). When the row length is a multiple of 32 the sums follow llama.cpp's order
-(rowdot.dot_f16 / dot_bf16): one token as ggml's vec_dot_f16 / vec_dot_bf16 (four 8-lane fma
+(ir.dense.dot_f16 / dot_bf16): one token as ggml's vec_dot_f16 / vec_dot_bf16 (four 8-lane fma
 accumulators), two or more as its tinyBLAS product (one 8-lane accumulator); other lengths sum
 float32 products in SIMD lanes of LLVM's choosing.
 F16 -> F32 is exact (common.f16_to_f32), BF16 -> F32 is a shift: dequantize is bit-exact.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.kernels.cpu.common import F32, JIT, U, bf16_to_f32, f16_to_f32, load_f16, njit, prange
-from edgellm.kernels.cpu.rowdot import dot_bf16, dot_f16
+from edgellm.kernels.cpu.ir.dense import dot_bf16, dot_f16
 
 
 @njit(**JIT)

@@ -28,23 +28,28 @@ from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from edgellm.kernels.cpu import rowdot, rows8
-from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k, silu_mul_v8
-from edgellm.kernels.cpu.kquants import _row_q4_k
-from edgellm.kernels.cpu.ops import _attend_decode, add_rms_norm, gelu_ggml, prepare_qkv, rms_norm
-from edgellm.kernels.cpu.legacy import _row_q4_0
-from edgellm.kernels.cpu.rowdot import rowdot1_q5_1, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
-from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q5_0, rows8_q8_0
+from edgellm.kernels.cpu.ir import kquants as ir_kquants
+from edgellm.kernels.cpu.ir import packed, rows8
+from edgellm.kernels.cpu.common import F32, U, njit, outlined, prange, quantize_q8_32, quantize_q8_k
+from edgellm.kernels.cpu.ir.vecmath import silu_mul_v8
+from edgellm.kernels.cpu.kquants import row_q4_k
+from edgellm.kernels.cpu.attention import attend_decode_inline
+from edgellm.kernels.cpu.ops import add_rms_norm, gelu_ggml, prepare_qkv, rms_norm
+from edgellm.kernels.cpu.legacy import row_q4_0
+from edgellm.kernels.cpu.ir.legacy import rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
+from edgellm.kernels.cpu.ir.tiles import rowdot1_q5_1
+from edgellm.kernels.cpu.ir.rows8 import rows8_q4_0, rows8_q5_0, rows8_q8_0
 
 # The K-quant row kernels, each a function of its own that _rows calls (common.outlined): inlined
-# into decode_layers, which holds every K-quant's kernels when one is present, they ran 10-40 %
-# slower than alone. The legacy types' kernels stay inlined: a call per row of a small model's few
-# blocks costs more than it saves (SmolLM2 Q4_1 decode 0.81x outlined; 1B Q4_0 0.97x).
+# into decode_layers, which holds every K-quant's kernels, they run slower than alone. The legacy
+# types' kernels stay inlined: a call per row of a small model's few blocks costs more than it
+# saves (docs/performance.md, standing decisions).
 (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, rowdotx2_q6_k, rowdotx4_q6_k, il8_q4_k, rows8_q4_k, il8x2_q4_k,
  il8x3_q4_k, il8n4_q4_k) = (
-    outlined(k) for k in (rowdot.rowdot_q2_k, rowdot.rowdot_q3_k, rowdot.rowdot_q5_k, rowdot.rowdot_q6_k,
-                          rowdot.rowdotx2_q6_k, rowdot.rowdotx4_q6_k, rows8.il8_q4_k, rows8.rows8_q4_k,
-                          rows8.il8x2_q4_k, rows8.il8x3_q4_k, rows8.il8n4_q4_k))
+    outlined(k) for k in (ir_kquants.rowdot_q2_k, ir_kquants.rowdot_q3_k, ir_kquants.rowdot_q5_k,
+                          ir_kquants.rowdot_q6_k, ir_kquants.rowdotx2_q6_k, ir_kquants.rowdotx4_q6_k,
+                          packed.il8_q4_k, rows8.rows8_q4_k, packed.il8x2_q4_k, packed.il8x3_q4_k,
+                          packed.il8n4_q4_k))
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (int(t) for t in (
     GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K,
@@ -194,7 +199,7 @@ def _rows_for(present: frozenset):
                 for r in range(r0, r8, 8):  # eight rows at a time: the same sums (rows8)
                     rows8_q4_0(w, U(r) * rb, rb, a32[0], a32[1], a32[2], b32, n32, out, oo + U(r))
                 for r in range(r8, r1):
-                    out[oo + r] = _row_q4_0(w[r], a32[0], a32[1], a32[2], t, n32)
+                    out[oo + r] = row_q4_0(w[r], a32[0], a32[1], a32[2], t, n32)
             elif has_q5_1 and tid == Q5_1:
                 for r in range(r0, r1):
                     out[oo + r] = rowdot1_q5_1(w, U(r) * rb, a32[0], xo, U(0), a32[1], a32[3], b32, n32)
@@ -212,7 +217,7 @@ def _rows_for(present: frozenset):
                 for r in range(r0, r8, 8):
                     rows8_q4_k(w, U(r) * rb, rb, ak[0], ak[1], ak[2], bk, nk, out, oo + U(r))
                 for r in range(r8, r1):
-                    out[oo + r] = _row_q4_k(w[r], ak[0], ak[1], ak[2], t, nk, False)
+                    out[oo + r] = row_q4_k(w[r], ak[0], ak[1], ak[2], t, nk, False)
 
     return rows
 
@@ -329,7 +334,7 @@ def decode_layers(x, h, q, k, v, att, o, gate, up, a32, ak, table, mask,
                     _rows(mask, tids[2], wv, c - cq - ck, vf, a32, ak, n_in_qkv, n_tok)
         prepare_qkv(q, k, v, bq, bk, bv, q_norm, k_norm, eps, cos, sin, pos, n_rot, neox, kc, vc, kpos, slots[g],
                     q_scale)
-        _attend_decode(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, att, kc[0, 0, 0])
+        attend_decode_inline(q, kc, vc, kpos, kmap, kbeg[g], kend[g], pos, window, scale, att, kc[0, 0, 0])
         # output projection, residual, ffn norm
         n_att = att.shape[1]
         _quantize(mask, att, a32, ak, not _is_k(tids[3]), _is_k(tids[3]))

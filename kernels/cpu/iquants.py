@@ -33,8 +33,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import (AVX2, F16C, F32, I32, JIT, U, _abs_sign, _fn, _i8, _i16, _i32, _load,
-                                        _splat, f16_to_f32, fma32, load_f16, njit, prange)
+from edgellm.kernels.cpu.host import AVX2, F16C
+from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
+from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i16, i32, i8, llvm_fn, load_bytes, splat
 from edgellm.quants import KVALUES_IQ4NL
 
 KVALUES = np.array(KVALUES_IQ4NL, np.int32)
@@ -60,13 +61,13 @@ def _xs_scale(row, o, s):
 # fit int16) and quad sums (pmaddwd): lane j = weights 4j .. 4j + 3, exact.
 def _iq4_values(builder, raw):
     """<16 x i8> code bytes -> <32 x i8>: the values of the low nibbles, then of the high."""
-    nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(_i8(16), [4] * 16)),
-                                 ir.Constant(_i32(32), list(range(32))))
-    nib = builder.and_(nib, ir.Constant(_i8(32), [15] * 32))
-    table = ir.Constant(_i8(32), [int(v) for v in KVALUES] * 2)
+    nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(i8(16), [4] * 16)),
+                                 ir.Constant(i32(32), list(range(32))))
+    nib = builder.and_(nib, ir.Constant(i8(32), [15] * 32))
+    table = ir.Constant(i8(32), [int(v) for v in KVALUES] * 2)
     if AVX2:
-        return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", _i8(32), [_i8(32), _i8(32)]), [table, nib])
-    vals = ir.Constant(_i8(32), ir.Undefined)
+        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pshuf.b", i8(32), [i8(32), i8(32)]), [table, nib])
+    vals = ir.Constant(i8(32), ir.Undefined)
     for i in range(32):
         idx = builder.extract_element(nib, ir.Constant(ir.IntType(32), i))
         vals = builder.insert_element(vals, builder.extract_element(table, idx), ir.Constant(ir.IntType(32), i))
@@ -77,21 +78,21 @@ def _iq4_quads(builder, raw, xv):
     """<8 x i32>: lane j = sum of value * x over weights 4j .. 4j + 3 of one block."""
     w = _iq4_values(builder, raw)
     if AVX2:
-        u, s = _abs_sign(builder, w, xv)
-        pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _i16(16), [_i8(32), _i8(32)]), [u, s])
-        ones = ir.Constant(_i16(16), [1] * 16)
-        return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _i32(8), [_i16(16), _i16(16)]), [pairs, ones])
-    prod = builder.mul(builder.sext(w, _i32(32)), builder.sext(xv, _i32(32)))
+        u, s = abs_sign(builder, w, xv)
+        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [u, s])
+        ones = ir.Constant(i16(16), [1] * 16)
+        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, ones])
+    prod = builder.mul(builder.sext(w, i32(32)), builder.sext(xv, i32(32)))
     quads = None
     for k in range(4):
-        part = builder.shuffle_vector(prod, prod, ir.Constant(_i32(8), [4 * j + k for j in range(8)]))
+        part = builder.shuffle_vector(prod, prod, ir.Constant(i32(8), [4 * j + k for j in range(8)]))
         quads = part if quads is None else builder.add(quads, part)
     return quads
 
 
 def _block_quads(context, builder, signature, args):
-    raw = _load(context, builder, signature.args[0], args[0], args[1], 16)
-    xv = _load(context, builder, signature.args[2], args[2], args[3], 32)
+    raw = load_bytes(context, builder, signature.args[0], args[0], args[1], 16)
+    xv = load_bytes(context, builder, signature.args[2], args[2], args[3], 32)
     return _iq4_quads(builder, raw, xv)
 
 
@@ -103,7 +104,7 @@ def _dot32(typingctx, w, w_off, x, x_off):
 
     def codegen(context, builder, signature, args):
         q = _block_quads(context, builder, signature, args)
-        return builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_i32(8)]), [q])
+        return builder.call(llvm_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [i32(8)]), [q])
 
     return sig, codegen
 
@@ -113,14 +114,14 @@ def _fma8_vec(context, builder, signature, a, b, acc_arg, acc_index):
     f8 = ir.VectorType(ir.FloatType(), 8)
     data = context.make_array(signature.args[acc_index])(context, builder, acc_arg).data
     ptr = builder.bitcast(data, f8.as_pointer())
-    fma = _fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
+    fma = llvm_fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
     builder.store(builder.call(fma, [a, b, builder.load(ptr, align=4)]), ptr, align=4)
 
 
 def _fma8(context, builder, signature, d, ints, acc_arg, acc_index):
     """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
     f8 = ir.VectorType(ir.FloatType(), 8)
-    _fma8_vec(context, builder, signature, _splat(builder, d, f8), builder.sitofp(ints, f8), acc_arg, acc_index)
+    _fma8_vec(context, builder, signature, splat(builder, d, f8), builder.sitofp(ints, f8), acc_arg, acc_index)
 
 
 @intrinsic
@@ -142,9 +143,9 @@ def _fma_ints(typingctx, d, iq, acc):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[1])(context, builder, args[1]).data
-        ptr = builder.bitcast(data, _i32(8).as_pointer())
+        ptr = builder.bitcast(data, i32(8).as_pointer())
         _fma8(context, builder, signature, args[0], builder.load(ptr, align=4), args[2], 2)
-        builder.store(ir.Constant(_i32(8), [0] * 8), ptr, align=4)
+        builder.store(ir.Constant(i32(8), [0] * 8), ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -152,8 +153,8 @@ def _fma_ints(typingctx, d, iq, acc):
 
 def _sum8(builder, vecs):
     """Eight <8 x i32> -> <8 x i32>: lane r = the sum of vecs[r]'s lanes (exact)."""
-    evens = ir.Constant(_i32(8), [0, 2, 4, 6, 8, 10, 12, 14])
-    odds = ir.Constant(_i32(8), [1, 3, 5, 7, 9, 11, 13, 15])
+    evens = ir.Constant(i32(8), [0, 2, 4, 6, 8, 10, 12, 14])
+    odds = ir.Constant(i32(8), [1, 3, 5, 7, 9, 11, 13, 15])
     while len(vecs) > 1:  # pairwise: lanes of a then of b, each pair of neighbours summed
         vecs = [builder.add(builder.shuffle_vector(a, b, evens), builder.shuffle_vector(a, b, odds))
                 for a, b in zip(vecs[0::2], vecs[1::2])]
@@ -170,19 +171,19 @@ def _rows8_iq4_nl(typingctx, w, w_off, rb, x, x_off, dx, acc):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        xv = _load(context, builder, signature.args[3], args[3], args[4], 32)
+        xv = load_bytes(context, builder, signature.args[3], args[3], args[4], 32)
         f8 = ir.VectorType(ir.FloatType(), 8)
         quads, dvec = [], ir.Constant(f8, ir.Undefined)
         for r in range(8):
             off = builder.add(args[1], builder.mul(args[2], ir.Constant(ir.IntType(64), r)))
             ptr = builder.gep(data, [off])
             raw = builder.load(builder.bitcast(builder.gep(ptr, [ir.Constant(ir.IntType(64), 2)]),
-                                               _i8(16).as_pointer()), align=1)
+                                               i8(16).as_pointer()), align=1)
             quads.append(_iq4_quads(builder, raw, xv))
             half = builder.bitcast(builder.load(builder.bitcast(ptr, ir.IntType(16).as_pointer()), align=1),
                                    ir.HalfType())
             dvec = builder.insert_element(dvec, builder.fpext(half, ir.FloatType()), ir.Constant(ir.IntType(32), r))
-        scale = builder.fmul(dvec, _splat(builder, args[5], f8))
+        scale = builder.fmul(dvec, splat(builder, args[5], f8))
         _fma8_vec(context, builder, signature, builder.sitofp(_sum8(builder, quads), f8), scale, args[6], 6)
         return context.get_dummy_value()
 
@@ -196,9 +197,9 @@ def _quads_into(typingctx, w, w_off, x, x_off, scale, acc):
 
     def codegen(context, builder, signature, args):
         q = _block_quads(context, builder, signature, args)
-        q = builder.mul(q, _splat(builder, args[4], _i32(8)))
+        q = builder.mul(q, splat(builder, args[4], i32(8)))
         data = context.make_array(signature.args[5])(context, builder, args[5]).data
-        ptr = builder.bitcast(data, _i32(8).as_pointer())
+        ptr = builder.bitcast(data, i32(8).as_pointer())
         builder.store(builder.add(builder.load(ptr, align=4), q), ptr, align=4)
         return context.get_dummy_value()
 

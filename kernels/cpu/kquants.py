@@ -15,7 +15,7 @@ Where weight w (0..255) of a super-block lives, per type (c, s, t, h, l as named
         group g: 6-bit scale = lo nibble of scales[g % 8] (>> 4 for g >= 8)
         | 2 bits of scales[8 + g % 4] >> 2(g // 4), minus 32;   w = d * scale * q
   Q4_K  sub-block b = 2c + nib (32 weights): q = nibble nib of qs[32c + l]; 6-bit sc, min
-        packed in scales[12] (see _scale_min);  w = d * sc * q - dmin * min
+        packed in scales[12] (see scale_min);  w = d * sc * q - dmin * min
   Q5_K  as Q4_K, plus 5th bit (qh[l] >> b) & 1
   Q6_K  w = 128h + 32t + l:  q = (nibble t//2 of ql[64h + 32(t % 2) + l])
         | ((qh[32h + l] >> 2t) & 3) << 4, minus 32;  group w//16: int8 scale;  w = d * sc * q
@@ -25,40 +25,16 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, SERIAL, U, dot32_field, f16_to_f32,
-                                        fma32, load_f16, njit, prange)
-from edgellm.kernels.cpu.rowdot import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, rowdotx2_q6_k,
-                                        rowdotx4_q6_k, sbdot1,
-                                        sbdot1_min, sbdot4, sbdot4_min, tile8_corr, tile8_min, unpack_q2_k,
-                                        unpack_q3_k, unpack_q4_k, unpack_q5_k, unpack_q6_k)
-from edgellm.kernels.cpu.rows8 import _P_D, _P_DMIN, _P_MN, _P_SC, Q4_K8_SB, il8_q4_k, il8x4_q4_k, rows8_q4_k
-
-QK_K = 256
-# Bytes per super-block, fields in memory order.
-Q2_K_BYTES = 16 + 64 + 2 + 2  # scales[16] (sc | min << 4) | qs[64] | d | dmin
-Q3_K_BYTES = 32 + 64 + 12 + 2  # hmask[32] | qs[64] | scales[12] | d
-Q4_K_BYTES = 2 + 2 + 12 + 128  # d | dmin | scales[12] | qs[128]
-Q5_K_BYTES = 2 + 2 + 12 + 32 + 128  # d | dmin | scales[12] | qh[32] | qs[128]
-Q6_K_BYTES = 128 + 64 + 16 + 2  # ql[128] | qh[64] | scales: i8[16] | d
-
-
-@njit(inline="always")
-def _q3_scale(row, o, g):
-    """6-bit scale of group g (0..15) of a Q3_K block whose scales[12] start at byte o, minus 32."""
-    lo = (I32(row[o + (g & U(7))]) >> I32(4 * (g >> U(3)))) & I32(15)
-    hi = (I32(row[o + U(8) + (g & U(3))]) >> I32(2 * (g >> U(2)))) & I32(3)
-    return (lo | (hi << I32(4))) - I32(32)
-
-
-@njit(inline="always")
-def _scale_min(row, o, b):
-    """(scale, min) of sub-block b (0..7) of a Q4_K/Q5_K block whose scales[12] start at byte o."""
-    if b < U(4):
-        return I32(row[o + b]) & I32(63), I32(row[o + b + U(4)]) & I32(63)
-    sc = (I32(row[o + b + U(4)]) & I32(15)) | ((I32(row[o + b - U(4)]) >> I32(6)) << I32(4))
-    mn = (I32(row[o + b + U(4)]) >> I32(4)) | ((I32(row[o + b]) >> I32(6)) << I32(4))
-    return sc, mn
-
+from edgellm.kernels.cpu.common import F32, FAST_IN_ORDER, I32, JIT, SERIAL, U, f16_to_f32, load_f16, njit, prange
+from edgellm.kernels.cpu.ir.builder import fma32
+from edgellm.kernels.cpu.ir.legacy import dot32_field
+from edgellm.kernels.cpu.ir.kquants import (rowdot_q2_k, rowdot_q3_k, rowdot_q5_k, rowdot_q6_k, rowdotx2_q6_k,
+                                            rowdotx4_q6_k)
+from edgellm.kernels.cpu.ir.packed import PACK_D, PACK_DMIN, PACK_MN, PACK_SC, Q4_K8_SB, il8_q4_k, il8x4_q4_k
+from edgellm.kernels.cpu.ir.rows8 import rows8_q4_k
+from edgellm.kernels.cpu.kblocks import (Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K, q3_scale,
+                                         scale_min)
+from edgellm.kernels.cpu.ktiled import TILED_MIN, matmul_tiled
 
 # --- dequantize ----------------------------------------------------------------------------
 @njit(**JIT)
@@ -89,7 +65,7 @@ def dequantize_q3_k(raw, out, lanes):
             d = f16_to_f32(row[o + U(108)], row[o + U(109)])
             for g in range(U(16)):
                 c, s, l0 = g >> U(3), (g >> U(1)) & U(3), (g & U(1)) * U(16)
-                dl = d * F32(_q3_scale(row, o + U(96), g))
+                dl = d * F32(q3_scale(row, o + U(96), g))
                 bit = I32(4 * c + s)
                 q0 = o + U(32) + U(32) * c + l0
                 for j in range(lanes):
@@ -107,7 +83,7 @@ def dequantize_q4_k(raw, out, lanes):
             d = f16_to_f32(row[o], row[o + U(1)])
             dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
             for b in range(U(8)):
-                sc, mn = _scale_min(row, o + U(4), b)
+                sc, mn = scale_min(row, o + U(4), b)
                 dl = d * F32(sc)
                 ml = dmin * F32(mn)
                 q0 = o + U(16) + U(32) * (b >> U(1))
@@ -126,7 +102,7 @@ def dequantize_q5_k(raw, out, lanes):
             d = f16_to_f32(row[o], row[o + U(1)])
             dmin = f16_to_f32(row[o + U(2)], row[o + U(3)])
             for b in range(U(8)):
-                sc, mn = _scale_min(row, o + U(4), b)
+                sc, mn = scale_min(row, o + U(4), b)
                 dl = d * F32(sc)
                 ml = dmin * F32(mn)
                 q0 = o + U(48) + U(32) * (b >> U(1))
@@ -175,7 +151,7 @@ def matvec_q3_k(raw, xq, xd, xs, xm, out):
 
 
 @njit(fastmath=FAST_IN_ORDER, inline="always")
-def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
+def row_q4_k(row, xq, xd, xs, t, nb, per_pair):
     """Row `row` times token t's x, in the order of ggml's x86 kernels for Q4_K rows repacked 8
     at a time (what llama.cpp runs when the row count is a multiple of 8): integer sums of
     sc * q * x and of min * (x sums), then acc = fma(isum, d_w * d_x, acc) and acc_m likewise
@@ -192,8 +168,8 @@ def _row_q4_k(row, xq, xd, xs, t, nb, per_pair):
         msum = I32(0)
         for c in range(U(4)):  # 32 bytes: sub-block 2c (low nibbles), 2c + 1 (high)
             q0 = o + U(16) + U(32) * c
-            sc0, m0 = _scale_min(row, o + U(4), c + c)
-            sc1, m1 = _scale_min(row, o + U(4), c + c + U(1))
+            sc0, m0 = scale_min(row, o + U(4), c + c)
+            sc1, m1 = scale_min(row, o + U(4), c + c + U(1))
             isum += dot32_field(row, q0, I32(0), I32(15), xq, x0 + U(64) * c, sc0, sc0) \
                 + dot32_field(row, q0, I32(4), I32(15), xq, x0 + U(64) * c + U(32), sc1, sc1)
             k = g0 + U(4) * c
@@ -217,7 +193,7 @@ def matvec_q4_k(raw, xq, xd, xs, xm, out):
     for g in prange(n8):
         rows8_q4_k(raw, U(g) * U(8) * rb, rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
     for r in range(n8 * 8, raw.shape[0]):
-        out[r] = _row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
+        out[r] = row_q4_k(raw[r], xq, xd, xs, U(0), nb, False)
 
 
 @njit(**SERIAL)
@@ -231,7 +207,7 @@ def sums32(xs):
 
 @njit(inline="always")
 def _pack8(raw, r0, out, o0, nb):
-    """Rows r0 .. r0 + 7 of a Q4_K matrix packed by eight (rows8.il8_q4_k's layout, Q4_K8_SB
+    """Rows r0 .. r0 + 7 of a Q4_K matrix packed by eight (ir.packed.il8_q4_k's layout, Q4_K8_SB
     bytes per super-block) into out from byte o0 on."""
     for r in range(U(8)):
         row = raw[r0 + r]
@@ -243,12 +219,12 @@ def _pack8(raw, r0, out, o0, nb):
                     for q in range(U(4)):
                         out[o + U(256) * c + U(32) * st + U(4) * r + q] = row[s + U(16) + U(32) * c + U(4) * st + q]
             for k in range(U(2)):
-                out[o + U(_P_D) + U(2) * r + k] = row[s + k]
-                out[o + U(_P_DMIN) + U(2) * r + k] = row[s + U(2) + k]
+                out[o + U(PACK_D) + U(2) * r + k] = row[s + k]
+                out[o + U(PACK_DMIN) + U(2) * r + k] = row[s + U(2) + k]
             for b in range(U(8)):
-                sc, mn = _scale_min(row, s + U(4), b)
-                out[o + U(_P_SC) + U(8) * b + r] = sc
-                out[o + U(_P_MN) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
+                sc, mn = scale_min(row, s + U(4), b)
+                out[o + U(PACK_SC) + U(8) * b + r] = sc
+                out[o + U(PACK_MN) + U(16) * (b >> U(1)) + U(2) * r + (b & U(1))] = mn
 
 
 def pack8_shape(shape) -> tuple:
@@ -257,7 +233,7 @@ def pack8_shape(shape) -> tuple:
 
 
 def pack8_q4_k(raw, out=None):
-    """A Q4_K matrix (n_rows a multiple of 8) packed by eight rows for rows8.il8_q4_k /
+    """A Q4_K matrix (n_rows a multiple of 8) packed by eight rows for ir.packed.il8_q4_k /
     il8x4_q4_k: uint8 (n_rows, row_bytes * 37 / 36), group g (rows 8g .. 8g + 7) from row 8g's
     start on, so row offsets (r * row bytes, r a multiple of 8) mean what they mean for the
     rows (the unpacked 6-bit scales and mins: 32 bytes more per eight rows' super-block). Written
@@ -298,10 +274,10 @@ def _gemm_groups(w, w0, n8, rb, xq, xd, xs32, nb, n_gemm, flat, ns, r0):
 
 @njit(**JIT)
 def matmul_q4_k(raw, xq, xd, xs, xm, out):
-    """The repacked Q4_K order for a batch (see _row_q4_k): four tokens at a time with a step per
+    """The repacked Q4_K order for a batch (see row_q4_k): four tokens at a time with a step per
     pair of sub-blocks, the rest of the tokens with one per super-block (rows8_q4_k), the last
     n_rows % 8 rows one by one. Chunks of 16 rows per thread, packed by eight once
-    (pack8_q4_k's layout) for the groups of four tokens (rows8.il8x4_q4_k)."""
+    (pack8_q4_k's layout) for the groups of four tokens (ir.packed.il8x4_q4_k)."""
     n_tok, n_rows = out.shape
     nb, rb, ns = U(xd.size // n_tok), U(raw.shape[1]), U(n_rows)
     n_gemm = n_tok - n_tok % 4  # llama.cpp takes tokens four at a time, the rest one by one
@@ -323,7 +299,7 @@ def matmul_q4_k(raw, xq, xd, xs, xm, out):
                 rows8_q4_k(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
         for t in range(n_tok):
             for r in range(r8, r1):
-                out[t, r] = _row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_gemm)
+                out[t, r] = row_q4_k(raw[r], xq, xd, xs, U(t), nb, t < n_gemm)
 
 
 @njit(**JIT)
@@ -365,188 +341,6 @@ def matvec_q6_k(raw, xq, xd, xs, xm, out):
     for c in prange((n + 15) // 16):
         for r in range(c * 16, min(c * 16 + 16, n)):
             out[r] = rowdot_q6_k(raw[r], U(0), xq, U(0), xd, xs, U(0), nb)
-
-
-# --- batches of TILED_MIN or more tokens: llama.cpp's tiled product -------------------------
-# For a batch of 8+ tokens llama.cpp multiplies K-quant weights (Q4_K only when not repacked)
-# with its tiled kernel, whose float order is its own: per super-block the exact integer sums
-# s1 = sum sc * q * x (q the signed code) and, with mins, s2 = sum min * (x sums); then
-# res = d_w * f32(s1), res = fma(-dmin_w, f32(s2), res), acc = fma(res, d_x, acc) (AVX2/FMA).
-# `_sb_<t>` returns (s1, s2) for one super-block: integers, so any order gives the same value.
-TILED_MIN = 8
-
-
-@njit(inline="always")
-def _unpack_sb(kind, row, o, wq, sc, cm, k, scg):
-    """Super-block k of a row tile, from the Q<kind>_K block at byte o of row, as unsigned codes
-    wq[256 k + i] (code = q + offset, 0..63: rowdot.unpack_codes), the scale of each pair of
-    weights sc[128 k + p] and, per group g of 16, cm[32 k + g] = -offset * scale and
-    cm[32 k + 16 + g] = min, so that for a token's x: s1 = sum sc * code * x + sum corr * xs and
-    s2 = sum min * xs (xs: x's sums per 16; see rowdot.sbdot_tile). scg: scratch for the 16
-    group scales."""
-    w0 = U(256) * k
-    g0 = U(32) * k
-    if kind == 2:
-        unpack_q2_k(row, o, wq, w0)
-    elif kind == 3:
-        unpack_q3_k(row, o, wq, w0)
-    elif kind == 4:
-        unpack_q4_k(row, o, wq, w0)
-    elif kind == 5:
-        unpack_q5_k(row, o, wq, w0)
-    else:
-        unpack_q6_k(row, o, wq, w0)
-    if kind == 2:
-        for g in range(U(16)):
-            scg[g] = I32(row[o + g]) & I32(15)
-            cm[g0 + g] = 0
-            cm[g0 + U(16) + g] = I32(row[o + g]) >> I32(4)
-    elif kind == 3:  # q = low 2 bits + 4 * hmask bit - 4
-        for g in range(U(16)):
-            scg[g] = _q3_scale(row, o + U(96), g)
-            cm[g0 + g] = I32(-4) * scg[g]
-            cm[g0 + U(16) + g] = 0
-    elif kind == 6:  # q = 6-bit code - 32
-        for g in range(U(16)):
-            scg[g] = I32(np.int8(row[o + U(192) + g]))
-            cm[g0 + g] = I32(-32) * scg[g]
-            cm[g0 + U(16) + g] = 0
-    else:  # Q4_K, Q5_K: sub-blocks of 32 with a scale and a min
-        for b in range(U(8)):
-            sc_b, mn_b = _scale_min(row, o + U(4), b)
-            for g in range(U(2) * b, U(2) * b + U(2)):
-                scg[g] = sc_b
-                cm[g0 + g] = 0
-                cm[g0 + U(16) + g] = mn_b
-    for g in range(U(16)):
-        v = np.int16(scg[g])
-        for q in range(U(8)):
-            sc[U(128) * k + U(8) * g + q] = v
-
-
-# by kind (2..6): bytes per super-block, byte offset of d, of dmin (-1: no mins)
-_SB_LAYOUT = ((0, 0, 0), (0, 0, 0), (Q2_K_BYTES, 80, 82), (Q3_K_BYTES, 108, -1), (Q4_K_BYTES, 0, 2),
-              (Q5_K_BYTES, 0, 2), (Q6_K_BYTES, 208, -1))
-
-
-@njit(inline="always")
-def _tiled_step(s1, s2, dw, dm, dx, has_min, acc):
-    """llama.cpp's tiled float steps for one super-block."""
-    res = dw * F32(s1)
-    if has_min:
-        res = fma32(-dm, F32(s2), res)
-    return fma32(res, dx, acc)
-
-
-TILED_ROWS = 8  # rows unpacked together (their codes and pair scales, 4 KiB per 1024 columns)
-
-
-@njit(inline="always")
-def _unpack_rows(kind, raw, r0, nr, nb):
-    """Rows r0 .. r0 + nr of a Q<kind>_K matrix unpacked (_unpack_sb, super-block k = i * nb + j)
-    with their float32 d and dmin (0 without mins): (codes, pair scales, corrections and mins, d, dmin)."""
-    size, od, om = _SB_LAYOUT[kind]
-    n_sb = U(nr) * nb
-    wq = np.empty(n_sb * U(256), np.uint8)
-    sc = np.empty(n_sb * U(128), np.int16)
-    cm = np.empty(n_sb * U(32), np.int16)
-    dw = np.empty(n_sb, F32)
-    dm = np.zeros(n_sb, F32)
-    scg = np.empty(16, I32)
-    for i in range(nr):
-        row = raw[r0 + i]
-        for j in range(nb):
-            k = U(i) * nb + j
-            o = j * U(size)
-            _unpack_sb(kind, row, o, wq, sc, cm, k, scg)
-            dw[k] = load_f16(row, o + U(od))
-            if om >= 0:
-                dm[k] = load_f16(row, o + U(om))
-    return wq, sc, cm, dw, dm
-
-
-@njit(**SERIAL)
-def _transpose8(xd, xs, n8, nb):
-    """The scales and group sums of tokens 0 .. n8 - 1 (n8 a multiple of 8) by groups of eight
-    tokens (see rowdot.tile8_row): xdT[8 (G nb + j) + t], xsT[16 (8 (G nb + j) + p) + 2 t + h]
-    = group 2p + h (int16: |sums| < 2^15)."""
-    xdT = np.empty(n8 * nb, F32)
-    xsT = np.empty(n8 * nb * 16, np.int16)
-    for G in range(n8 // 8):
-        for t in range(8):
-            tok = 8 * G + t
-            for j in range(nb):
-                b = (G * nb + j) * 8
-                xdT[b + t] = xd[tok * nb + j]
-                for p in range(8):
-                    for h in range(2):
-                        xsT[16 * (b + p) + 2 * t + h] = xs[(tok * nb + j) * 16 + 2 * p + h]
-    return xdT, xsT
-
-
-@njit(**JIT)
-def matmul_tiled(kind, raw, xq, xd, xs, out):
-    """out (n_tok, n_rows) for a Q<kind>_K matrix, every (row, token) in the tiled order. A chunk
-    of rows is unpacked once (codes, pair scales, corrections) and the tokens pass over it eight
-    at a time (rowdot.tile8_row: the eight tokens as vector lanes), the rest four and one at a time."""
-    n_tok, n_rows = out.shape
-    nb = U(xd.size // n_tok)
-    has_min = _SB_LAYOUT[kind][2] >= 0
-    n8 = n_tok - n_tok % 8
-    n4 = n_tok - n_tok % 4
-    xstride = nb * U(QK_K)
-    gstride = nb * U(16)
-    xdT, xsT = _transpose8(xd, xs, n8, nb)
-    for c in prange((n_rows + TILED_ROWS - 1) // TILED_ROWS):
-        r0 = c * TILED_ROWS
-        nr = min(TILED_ROWS, n_rows - r0)
-        wq, sc, cm, dw, dm = _unpack_rows(kind, raw, r0, nr, nb)
-        for t in range(0, n8, 8):
-            for i in range(nr):
-                k0 = U(i) * nb
-                g_off = U(t) * nb
-                if has_min:
-                    a = tile8_min(wq, sc, cm, k0, dw, dm, xq, U(t) * xstride, xstride, xsT, xdT, g_off, nb)
-                else:
-                    a = tile8_corr(wq, sc, cm, k0, dw, dm, xq, U(t) * xstride, xstride, xsT, xdT, g_off, nb)
-                for u in range(8):
-                    out[t + u, r0 + i] = a[u]
-        for t in range(n8, n4, 4):
-            for i in range(nr):
-                a0 = a1 = a2 = a3 = F32(0.0)
-                for j in range(nb):
-                    k = U(i) * nb + j
-                    ts = U(t) * nb + j
-                    if has_min:
-                        p0, p1, p2, p3, m0, m1, m2, m3 = sbdot4_min(wq, k * U(256), sc, k * U(128), cm, k * U(32),
-                                                                    xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
-                    else:
-                        p0, p1, p2, p3 = sbdot4(wq, k * U(256), sc, k * U(128), cm, k * U(32),
-                                                xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
-                        m0 = m1 = m2 = m3 = I32(0)
-                    a0 = _tiled_step(p0, m0, dw[k], dm[k], xd[ts], has_min, a0)
-                    a1 = _tiled_step(p1, m1, dw[k], dm[k], xd[ts + nb], has_min, a1)
-                    a2 = _tiled_step(p2, m2, dw[k], dm[k], xd[ts + U(2) * nb], has_min, a2)
-                    a3 = _tiled_step(p3, m3, dw[k], dm[k], xd[ts + U(3) * nb], has_min, a3)
-                out[t, r0 + i] = a0
-                out[t + 1, r0 + i] = a1
-                out[t + 2, r0 + i] = a2
-                out[t + 3, r0 + i] = a3
-        for t in range(n4, n_tok):
-            for i in range(nr):
-                a = F32(0.0)
-                for j in range(nb):
-                    k = U(i) * nb + j
-                    ts = U(t) * nb + j
-                    if has_min:
-                        p, m = sbdot1_min(wq, k * U(256), sc, k * U(128), cm, k * U(32),
-                                          xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
-                    else:
-                        p = sbdot1(wq, k * U(256), sc, k * U(128), cm, k * U(32),
-                                   xq, ts * U(QK_K), xstride, xs, ts * U(16), gstride)
-                        m = I32(0)
-                    a = _tiled_step(p, m, dw[k], dm[k], xd[ts], has_min, a)
-                out[t, r0 + i] = a
 
 
 KERNELS = {
@@ -613,7 +407,7 @@ def rows_q5_k(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def rows_q6_k(raw, xq, xd, xs, xm, out):
-    """Each row's codes unpacked once for up to four tokens (rowdot.rowdotx4_q6_k: the one-token
+    """Each row's codes unpacked once for up to four tokens (ir.kquants.rowdotx4_q6_k: the one-token
     kernel's bits)."""
     n_tok, n = out.shape[0], raw.shape[0]
     nb, ns = U(xd.size // n_tok), U(n)

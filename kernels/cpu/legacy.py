@@ -18,11 +18,14 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.kernels.cpu.rowdot import (Q8_0_GROUP, TILE, rowdot1_q5_1, rowdot2xn_q8_0, rowdot4_q4_1u, rowdot4_q5_1,
-                                        rowdot4_q8_0, rowdot8_q5_0, rowdot_q4_1, rowdot_q5_0, rowdot_q8_0)
-from edgellm.kernels.cpu.common import (F32, FAST_IN_ORDER, I32, JIT, U, dot32_q4, f16_to_f32, fma32, load_f16,
-                                        njit, prange)
-from edgellm.kernels.cpu.rows8 import IL_Q4_0, il8x4_q4_0, rows8_q4_0, rows8_q5_0, rows8_q8_0
+from edgellm.kernels.cpu.ir.legacy import rowdot_q4_1, rowdot_q5_0, rowdot_q8_0
+from edgellm.kernels.cpu.ir.tiles import (Q8_0_GROUP, TILE, rowdot1_q5_1, rowdot2xn_q8_0, rowdot4_q4_1u, rowdot4_q5_1,
+                                          rowdot4_q8_0, rowdot8_q5_0)
+from edgellm.kernels.cpu.common import F32, FAST_IN_ORDER, I32, JIT, U, f16_to_f32, load_f16, njit, prange
+from edgellm.kernels.cpu.ir.builder import fma32
+from edgellm.kernels.cpu.ir.legacy import dot32_q4
+from edgellm.kernels.cpu.ir.packed import IL_Q4_0, il8x4_q4_0
+from edgellm.kernels.cpu.ir.rows8 import rows8_q4_0, rows8_q5_0, rows8_q8_0
 
 # Bytes per block, as the sum of its fields.
 Q4_0_BYTES = 2 + 16  # d | qs[16]
@@ -116,7 +119,7 @@ def dequantize_q8_0(raw, out, lanes):
 # (q - 8 and q - 16 folded in as s - 8 * xs[b]), and for Q4_1 / Q5_1 also m_w * xm[b] (the fp16
 # s of Q8_1), summed separately and added at the end.
 @njit(fastmath=FAST_IN_ORDER, inline="always")
-def _row_q4_0(row, xq, xd, xs, t, nb):
+def row_q4_0(row, xq, xd, xs, t, nb):
     """Row times token t's x in the order of ggml's x86 kernels for Q4_0 rows repacked 8 at a
     time (llama.cpp's layout when the row count is a multiple of 8): per block the exact integer
     sum of (q - 8) x, then acc = fma(isum, d_w * d_x, acc)."""
@@ -137,7 +140,7 @@ def matvec_q4_0(raw, xq, xd, xs, xm, out):
     for g in prange(n8):
         rows8_q4_0(raw, U(g) * U(8) * rb, rb, xq, xd, xs, U(0), nb, out, U(g) * U(8))
     for r in range(n8 * 8, raw.shape[0]):
-        out[r] = _row_q4_0(raw[r], xq, xd, xs, U(0), nb)
+        out[r] = row_q4_0(raw[r], xq, xd, xs, U(0), nb)
 
 
 @njit(**JIT)
@@ -341,7 +344,7 @@ def matmul_q5_1(raw, xq, xd, xs, xm, out):
 
 @njit(inline="always")
 def interleave8_q4_0(raw, r0, n_groups, nb):
-    """Rows r0 .. r0 + 8 n_groups of a Q4_0 matrix interleaved by eight for rows8.il8x4_q4_0:
+    """Rows r0 .. r0 + 8 n_groups of a Q4_0 matrix interleaved by eight for ir.packed.il8x4_q4_0:
     block j of group i is g = i nb + j; codes[256 g + 32 s + 4 r + q] = code 4s + q (weight
     order: the 16 low nibbles, then the 16 high) of row r's block, dws[8 g + r] its d."""
     n_blk = U(n_groups) * nb
@@ -367,7 +370,7 @@ IL_MIN_TOKENS = 8
 
 @njit(**JIT)
 def matmul_q4_0(raw, xq, xd, xs, xm, out):
-    """Tiles of eight rows x four tokens (rows8.il8x4_q4_0, each chunk of rows interleaved once),
+    """Tiles of eight rows x four tokens (ir.packed.il8x4_q4_0, each chunk of rows interleaved once),
     the rest of the rows and tokens one by one: every output the one-token row kernel's, bit
     for bit."""
     n_tok, n_rows = out.shape
@@ -391,7 +394,7 @@ def matmul_q4_0(raw, xq, xd, xs, xm, out):
                 rows8_q4_0(raw, U(r) * rb, rb, xq, xd, xs, U(t) * nb, nb, flat, U(t) * ns + U(r))
         for t in range(n_tok):
             for r in range(r8, r1):
-                out[t, r] = _row_q4_0(raw[r], xq, xd, xs, U(t), nb)
+                out[t, r] = row_q4_0(raw[r], xq, xd, xs, U(t), nb)
 
 
 MATMUL = {GGMLType.Q4_0: matmul_q4_0, GGMLType.Q4_1: matmul_q4_1, GGMLType.Q5_0: matmul_q5_0,

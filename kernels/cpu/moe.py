@@ -12,9 +12,10 @@ import functools
 import math
 
 import numpy as np
-from edgellm.kernels.cpu.common import expf_ggml, fma32
-from edgellm.kernels.cpu.rowdot import rowdot_q6_k
-from edgellm.kernels.cpu.rows8 import il8_q4_k
+from edgellm.kernels.cpu.ir.builder import fma32
+from edgellm.kernels.cpu.ir.vecmath import expf_ggml
+from edgellm.kernels.cpu.ir.kquants import rowdot_q6_k
+from edgellm.kernels.cpu.ir.packed import il8_q4_k
 from numba import njit, prange
 
 F32 = np.float32
@@ -95,8 +96,8 @@ def expert_probs(logits: np.ndarray) -> np.ndarray:
     of (x - max) eight lanes at a time, each group's sum ((e0+e4)+(e2+e6)) + ((e1+e5)+(e3+e7)) added
     into a float64 total, the C library's expf for the n % 8 tail, then each value times
     (float)(1 / total)."""
-    from edgellm.kernels.cpu.backend import expf_ggml
-    from edgellm.kernels.cpu.reference import _expf
+    from edgellm.kernels.cpu.numpy_backend import expf_ggml
+    from edgellm.kernels.cpu.reference import c_expf
 
     n_tok, n = logits.shape
     m = logits.max(axis=1, keepdims=True)
@@ -109,7 +110,7 @@ def expert_probs(logits: np.ndarray) -> np.ndarray:
     for j in range(sums.shape[1]):  # float64 adds in group order
         total += sums[:, j]
     if nb < n:
-        expf = _expf()
+        expf = c_expf()
         for t in range(n_tok):
             for i in range(nb, n):
                 e[t, i] = expf(logits[t, i] - m[t, 0])
@@ -240,6 +241,6 @@ def decode_down_q6k(dw, ids, xq, xd, xs, nb, rows, out):
 @functools.cache
 def _c_expf():
     """The C library's expf, found once (finding the library runs ldconfig: milliseconds)."""
-    from edgellm.kernels.cpu.reference import _expf
+    from edgellm.kernels.cpu.reference import c_expf
 
-    return _expf()
+    return c_expf()

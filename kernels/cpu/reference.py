@@ -1,4 +1,4 @@
-"""NumPy references of the kernels that sum in ggml's order (rowdot.py, the Q4_K rows of
+"""NumPy references of the kernels that sum in ggml's order (ir/, the Q4_K rows of
 kquants.py, attention's dot products): slow, written from the description of ggml's x86 code,
 and bit-for-bit what the kernels must return (tests/test_ggml_order.py).
 
@@ -144,7 +144,7 @@ def rowdot_q4_k(raw, xq, xd, xs, per_pair: bool) -> np.ndarray:
 
 def dot_f16(k: np.ndarray, q: np.ndarray, n_acc: int, bf16: bool = False) -> np.ndarray:
     """k float16 / float32 (rows, n), q float32 (n,): ggml's vec_dot_f16 (n_acc 4) or tinyBLAS
-    (n_acc 1) order (see rowdot.dot_f16); bf16: k holds bfloat16 values (as float32), and
+    (n_acc 1) order (see ir.dense.dot_f16); bf16: k holds bfloat16 values (as float32), and
     n_acc 4 is vec_dot_bf16 (its lanes summed as hsum_float_8)."""
     kf = k.astype(F32)
     acc = np.zeros((k.shape[0], n_acc, 8), F32)
@@ -392,7 +392,7 @@ def rowdot_iq4_xs(raw, xq, xd, tiled: bool) -> np.ndarray:
     return acc if tiled else hsum8(acc)
 
 
-def _expf():
+def c_expf():
     """The C library's expf (what Numba's float32 exp calls, and ggml's flash attention)."""
     import ctypes
     import ctypes.util
@@ -422,9 +422,9 @@ def kv_block_values(blocks: np.ndarray, q4: bool) -> tuple[np.ndarray, np.ndarra
 def flash_attn_quant(qq: np.ndarray, qd: np.ndarray, keys: np.ndarray, values: np.ndarray, k_q4: bool,
                      v_q4: bool, scale) -> np.ndarray:
     """float32 (hdv,): one head of one token through ggml's CPU flash attention over its visible keys,
-    in order (ops.attend_flash_quant's reference). qq int8 (hd,) / qd float32 (hd / 32,): the query
+    in order (flash.attend_flash_quant's reference). qq int8 (hd,) / qd float32 (hd / 32,): the query
     as Q8_0 blocks; keys / values uint8 (n, row bytes): the cache rows."""
-    expf = _expf()
+    expf = c_expf()
     kq, kd = kv_block_values(keys, k_q4)
     n = kq.shape[0]
     acc = np.zeros((n, 8), F32)
@@ -463,7 +463,7 @@ def _flash_f16_partial(q, keys, values, scale):
     """(M, S, VKQ float32 (hdv,)) of ggml's one-chunk kernel over these keys, not yet divided by S:
     the query rounded to f16, scores by vec_dot_f16, an online softmax with glibc's expf, the value
     sum kept in f16 (rounded after every key: ggml_vec_scale_f16 / ggml_vec_mad_f16)."""
-    expf = _expf()
+    expf = c_expf()
     qh = np.asarray(q, F32).astype(np.float16).astype(F32)
     s_all = (dot_f16(np.asarray(keys, np.float16), qh, 4) * F32(scale)).astype(F32) if len(keys) else []
     m, total = F32(-np.inf), F32(0.0)
@@ -488,9 +488,9 @@ def _flash_f16_tiled(q, keys, values, cells, scale):
     rescales), its probabilities by ggml's vectorized exp summed as ggml_vec_soft_max_f32 does
     (8-lane float32 chunks, the chunks in float64, added to S in float64 once per tile), the
     values accumulated in float32 by fma in key order."""
-    from edgellm.kernels.cpu.backend import _softmax_total, expf_ggml
+    from edgellm.kernels.cpu.numpy_backend import softmax_total, expf_ggml
 
-    expf = _expf()
+    expf = c_expf()
     q = np.asarray(q, F32)
     k = np.asarray(keys, np.float16).astype(F32)
     v = np.asarray(values, np.float16).astype(F32)
@@ -512,7 +512,7 @@ def _flash_f16_tiled(q, keys, values, cells, scale):
         row = np.full(64, -np.inf, F32)
         row[cells[idx] % 64] = kq
         p = np.where(row == -np.inf, F32(0.0), expf_ggml((row - m).astype(F32))).astype(F32)
-        total = F32(np.float64(total) + _softmax_total(p)[0])
+        total = F32(np.float64(total) + softmax_total(p)[0])
         for i, j in enumerate(idx):
             acc = fma(p[cells[j] % 64], v[j], acc)
     inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
@@ -521,7 +521,7 @@ def _flash_f16_tiled(q, keys, values, cells, scale):
 
 def flash_attn_f16(q, keys, values, cells, scale, kernel: str, n_cells: int = 0, n_split: int = 1) -> np.ndarray:
     """float32 (hdv,): one head of one query row through ggml's CPU flash attention over an f16
-    cache (ops.attend_flash_f16's reference). q float32 (hd,); keys float16 (n, hd), values
+    cache (flash.attend_flash_f16's reference). q float32 (hd,); keys float16 (n, hd), values
     float16 (n, hdv): the row's visible keys in cache order; cells int (n,): their cache cells;
     kernel "one_chunk", "tiled" or "split" (see above)."""
     if kernel == "tiled":
@@ -531,7 +531,7 @@ def flash_attn_f16(q, keys, values, cells, scale, kernel: str, n_cells: int = 0,
         inv = F32(0.0) if total == 0 else F32(F32(1.0) / total)
         return (acc * inv).astype(F32)
     assert kernel == "split"
-    expf = _expf()
+    expf = c_expf()
     cells = np.asarray(cells, np.int64)
     chunk = -(-n_cells // n_split)
     m_f, s_f = F32(-np.inf), F32(0.0)

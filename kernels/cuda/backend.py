@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
-from edgellm.backend import Backend, KVLayer, QMatrix, attention_layout
+from edgellm.backend import Backend, QMatrix, RingKV, attention_layout
 from edgellm.errors import InvalidArgumentError, OutOfMemoryError, UnsupportedTensorTypeError
 from edgellm.kernels import cuda as _cuda
 from edgellm.quants import CPU_ONLY_TYPES, quant_type
@@ -109,8 +109,8 @@ def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
-class CudaKVLayer(KVLayer):
-    """KVLayer whose k, v live in VRAM; `pos_device` mirrors the host `pos` (slot -> position) as int32."""
+class CudaKVLayer(RingKV):
+    """A RingKV whose k, v live in VRAM; `pos_device` mirrors the host `pos` (slot -> position) as int32."""
 
     def __init__(self, cp, size, n_kv_head, head_dim_k, head_dim_v, dtype, window=0):
         super().__init__(cp, size, n_kv_head, head_dim_k, head_dim_v, dtype, window)
@@ -378,7 +378,7 @@ class CudaBackend(Backend):
             raise InvalidArgumentError(f"n_rot must be even and in 1..head_dim ({head_dim}), not {n_rot}")
         pos_d = self.cp.asarray(np.asarray(pos, dtype=np.int32) if isinstance(pos, np.ndarray) else pos,
                                 dtype=self.cp.int32)
-        theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as kernels.cpu.backend.rope_cache computes it
+        theta_scale = F32(freq_base ** (-2.0 / n_rot))  # as kernels.cpu.numpy_backend.rope_cache computes it
         if freq_factors is None:
             freq_factors = self._rope_factors
         has_ff = freq_factors is not None

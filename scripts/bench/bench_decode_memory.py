@@ -11,12 +11,12 @@ stream test (`edgellm bench`'s, run between the rounds).
     python scripts/bench/bench_decode_memory.py [--threads 2] [--rounds 5] [--mib 1024]
         [--kinds q4_k8,q8_0,q6_k,q5_k,q4_0] [--shape 8192x2048] [--cached]
 
-Kinds: q4_k8 = the packed Q4_K rows, eight a kernel call (rows8.il8_q4_k: what decode runs); q8_0 =
-the eight-row Q8_0 kernel (rows8.rows8_q8_0); q6_k, q5_k = the one-row kernels (rowdot.rowdot_q6_k /
+Kinds: q4_k8 = the packed Q4_K rows, eight a kernel call (ir.packed.il8_q4_k: what decode runs); q8_0 =
+the eight-row Q8_0 kernel (ir.rows8.rows8_q8_0); q6_k, q5_k = the one-row kernels (ir.kquants.rowdot_q6_k /
 _q5_k, 16 rows a parallel item, as kquants.matvec_q6_k); q4_0 = the eight-row Q4_0 kernel
-(rows8.rows8_q4_0). "KIND@A" compiles KIND with another software prefetch: for q4_k8 A super-blocks
-ahead (rows8.PACKED_AHEAD), for q6_k / q5_k A bytes ahead (rowdot.ROW_AHEAD), for q4_0 A = 1 / 0
-with / without the prefetch of the group after the next (rows8.GROUP_AHEAD); 0 emits no prefetch,
+(ir.rows8.rows8_q4_0). "KIND@A" compiles KIND with another software prefetch: for q4_k8 A super-blocks
+ahead (ir.packed.PACKED_AHEAD), for q6_k / q5_k A bytes ahead (ir.builder.ROW_AHEAD), for q4_0 A = 1 / 0
+with / without the prefetch of the group after the next (ir.rows8.GROUP_AHEAD); 0 emits no prefetch,
 e.g. q4_k8@0,q4_k8@3. Every variant's result is checked bit for bit against the first's of its type.
 """
 from __future__ import annotations
@@ -34,8 +34,9 @@ from quant_blocks import random_rows
 
 def kernels() -> dict:
     from edgellm.kernels.cpu.common import U, njit, prange
-    from edgellm.kernels.cpu.rowdot import rowdot_q5_k, rowdot_q6_k
-    from edgellm.kernels.cpu.rows8 import il8_q4_k, rows8_q4_0, rows8_q8_0
+    from edgellm.kernels.cpu.ir.kquants import rowdot_q5_k, rowdot_q6_k
+    from edgellm.kernels.cpu.ir.packed import il8_q4_k
+    from edgellm.kernels.cpu.ir.rows8 import rows8_q4_0, rows8_q8_0
 
     @njit(nogil=True, parallel=True)
     def q4_k8(ws, xq, xd, xs, out):
@@ -80,11 +81,11 @@ def kernels() -> dict:
 def compiled(kind: str, *args):
     """The kernel of `kind` ("name", or "name@A": compiled with prefetch setting A, see the module's
     doc), called once on args (so compiled before it is timed)."""
-    from edgellm.kernels.cpu import rowdot, rows8
+    from edgellm.kernels.cpu.ir import builder, packed, rows8
 
     name, _, ahead = kind.partition("@")
-    mod, attr = ((rows8, "PACKED_AHEAD") if name.startswith("q4_k") else (rows8, "GROUP_AHEAD") if name == "q4_0"
-                 else (rowdot, "ROW_AHEAD"))
+    mod, attr = ((packed, "PACKED_AHEAD") if name.startswith("q4_k") else (rows8, "GROUP_AHEAD") if name == "q4_0"
+                 else (builder, "ROW_AHEAD"))
     saved = getattr(mod, attr)
     if ahead:
         setattr(mod, attr, int(ahead))

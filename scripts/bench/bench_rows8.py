@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B of the eight-row 4-bit kernels (kernels/cpu/rows8.py) against the one-row kernels they
+"""A/B of the eight-row 4-bit kernels (kernels/cpu/ir/rows8.py) against the one-row kernels they
 replace, per matrix of the Llama-3.2-1B shape: bit-equality and CPU time (process time, so other
 work on a shared machine does not count), alternating in one process, medians. Q4_K also times
 the packed rows (kquants.pack8_q4_k / matvec_q4_k8, what CPUBackend runs for mapped Q4_K).
@@ -23,15 +23,15 @@ SHAPES = ((2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (128256, 2048))
 
 def kernels():
     from edgellm.kernels.cpu.common import U, njit, prange
-    from edgellm.kernels.cpu.kquants import _row_q4_k
-    from edgellm.kernels.cpu.legacy import _row_q4_0
-    from edgellm.kernels.cpu.rows8 import rows8_q4_0, rows8_q4_k
+    from edgellm.kernels.cpu.kquants import row_q4_k
+    from edgellm.kernels.cpu.legacy import row_q4_0
+    from edgellm.kernels.cpu.ir.rows8 import rows8_q4_0, rows8_q4_k
 
     @njit(nogil=True, parallel=True)
     def one_q4_0(w, xq, xd, xs, out):
         nb = U(xd.size)
         for r in prange(w.shape[0]):
-            out[r] = _row_q4_0(w[r], xq, xd, xs, U(0), nb)
+            out[r] = row_q4_0(w[r], xq, xd, xs, U(0), nb)
 
     @njit(nogil=True, parallel=True)
     def eight_q4_0(w, xq, xd, xs, out):
@@ -43,7 +43,7 @@ def kernels():
     def one_q4_k(w, xq, xd, xs, out):
         nb = U(xd.size)
         for r in prange(w.shape[0]):
-            out[r] = _row_q4_k(w[r], xq, xd, xs, U(0), nb, False)
+            out[r] = row_q4_k(w[r], xq, xd, xs, U(0), nb, False)
 
     @njit(nogil=True, parallel=True)
     def eight_q4_k(w, xq, xd, xs, out):

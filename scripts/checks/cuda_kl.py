@@ -56,7 +56,7 @@ def greedy(m, prompt: str, n: int) -> list[int]:
 
 def use_host_ops(names: list[str]) -> None:
     """Replace CudaBackend ops by the NumPy twins of the CPU backend, run on host copies."""
-    from edgellm.kernels.cpu.backend import NumpyBackend
+    from edgellm.kernels.cpu.numpy_backend import NumpyBackend
     from edgellm.kernels.cuda import backend as cuda_backend
 
     twin = NumpyBackend()

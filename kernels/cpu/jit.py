@@ -1,0 +1,187 @@
+"""The JIT's life cycle in one place: where compiled kernels are cached, how many threads they run
+on, who hears of a kernel compiling, when the compiler's memory is handed back, and what is ready
+(`STATE`: the fused decode kernel may still be compiling in precompile's workers).
+
+None of this imports Numba until a function here needs it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from edgellm.errors import InvalidArgumentError
+
+_PACKAGE = __name__.rsplit(".", 1)[0]  # edgellm.kernels.cpu
+
+
+class KernelState:
+    """What this process's kernels have ready. While precompile's worker still compiles the fused
+    decode kernel, decode steps run the unfused kernels (the same bits), so a first run answers
+    before the largest kernel is compiled; once it is in the disk cache the next step loads it."""
+
+    def __init__(self):
+        self._fused = threading.Event()
+        self._fused.set()
+
+    @property
+    def fused_ready(self) -> bool:
+        return self._fused.is_set()
+
+    def fused_compiling(self) -> None:
+        """The fused decode kernel is being compiled elsewhere: run the unfused kernels meanwhile."""
+        self._fused.clear()
+
+    def fused_compiled(self) -> None:
+        self._fused.set()
+
+
+STATE = KernelState()
+
+
+# modules of this package without Numba code (not in the cache key)
+_NOT_KERNELS = ("backend.py", "numpy_backend.py", "jit.py", "warmup.py")
+
+
+def numba_cache_dir() -> Path:
+    """Where compiled kernels are cached: edgellm's user cache dir (see edgellm.fetch) / numba /
+    a digest of this package's kernel sources. Numba checks only the file of the function it caches,
+    so a change to a helper module (common.py, ir/*.py) would otherwise load stale machine code.
+    backend.py, numpy_backend.py, jit.py and warmup.py (no compiled code of their own) are left
+    out: an edit there recompiles nothing."""
+    import hashlib
+
+    from edgellm.fetch import cache_dir
+
+    digest = hashlib.sha256()
+    here = Path(__file__).parent  # the package: kernels/cpu
+    for src in sorted(here.rglob("*.py")):
+        if src.name in _NOT_KERNELS:
+            continue
+        digest.update(src.relative_to(here).as_posix().encode() + b"\0" + src.read_bytes())
+    return cache_dir() / "numba" / digest.hexdigest()[:16]
+
+
+def use_cache_dir() -> None:
+    """Point Numba's on-disk cache at numba_cache_dir() (unless NUMBA_CACHE_DIR is set). A module
+    outside this package with `cache=True` functions calls it before defining them: Numba picks a
+    function's cache folder when it is decorated (else: the package's __pycache__)."""
+    if "NUMBA_CACHE_DIR" not in os.environ:
+        os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
+        import numba  # already imported by someone else: its config read the env too early
+
+        numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+def loaded_kernels() -> int:
+    """How many compiled kernel versions this process holds (compiled or loaded from the disk
+    cache): it grows when a call needs a kernel (or argument types) not used before."""
+    import sys
+
+    from numba.core.registry import CPUDispatcher
+
+    n = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith(_PACKAGE + ".") and module is not None:
+            n += sum(len(obj.overloads) for obj in vars(module).values() if isinstance(obj, CPUDispatcher))
+    return n
+
+
+@contextmanager
+def compile_listener(report):
+    """Within the context, report(kernel_name) is called as each of this package's kernels starts
+    compiling (one found in the disk cache is loaded, not compiled, and not reported; Numba's own
+    helpers compiled along the way are not reported either)."""
+    from numba.core import event
+
+    class Listener(event.Listener):
+        def on_start(self, ev):
+            dispatcher = ev.data.get("dispatcher") if isinstance(ev.data, dict) else None
+            func = getattr(dispatcher, "py_func", None)
+            if getattr(func, "__module__", "").startswith(_PACKAGE):
+                report(func.__name__)
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
+
+
+_COMPILER_LIBRARY = "libllvmlite"  # LLVM, which Numba links compiled and cached kernels with
+_MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (they fault back in if touched)
+
+
+def compiler_resident_bytes() -> int:
+    """Bytes of the compiler library resident in this process and mapped by no other one (0 where
+    /proc is not there): the pages release_compiler can hand back; a page another process maps
+    (a parent that compiled too) stays resident whatever this one does."""
+    total, current = 0, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    current = line
+                elif (line.startswith(("Private_Clean:", "Private_Dirty:")) and current is not None
+                      and _COMPILER_LIBRARY in current):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def release_compiler() -> None:
+    """Hand the compiler library's resident pages back to the OS. Loading kernels (from the disk
+    cache too) runs LLVM, whose code and tables then stay resident (~65 MiB) though running the
+    loaded kernels never touches them; the pages are clean (mapped from the library file), so
+    the kernel drops them now and reads them back only if LLVM runs again (a kernel not yet
+    loaded). A no-op where madvise(MADV_PAGEOUT) is not available."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            ranges = [line.split(" ", 1)[0] for line in f if _COMPILER_LIBRARY in line]
+    except (OSError, AttributeError):
+        return
+    for r in ranges:
+        lo, hi = (int(v, 16) for v in r.split("-"))
+        madvise(lo, hi - lo, _MADV_PAGEOUT)  # EINVAL on kernels without it: nothing happens
+
+
+def set_threads(n: int) -> None:
+    """Number of threads the kernels use (at most the number of CPU cores Numba sees); NumPy's
+    bundled OpenBLAS (the matmul products) follows when its library exposes the setter."""
+    import numba
+
+    if not 1 <= int(n) <= numba.config.NUMBA_NUM_THREADS:
+        raise InvalidArgumentError(
+            f"threads={n} is out of range; use 1 .. {numba.config.NUMBA_NUM_THREADS}")
+    numba.set_num_threads(int(n))
+    _set_blas_threads(int(n))
+
+
+def _set_blas_threads(n: int) -> None:
+    """openblas_set_num_threads of the OpenBLAS that NumPy loaded, if there is one to find."""
+    import ctypes
+
+    libs_dir = Path(np.__file__).parent.parent / "numpy.libs"
+    for lib in sorted(libs_dir.glob("*openblas*")) if libs_dir.is_dir() else []:
+        handle = ctypes.CDLL(str(lib))
+        for symbol in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                       "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(handle, symbol, None)
+            if setter is not None:
+                setter(ctypes.c_int(n))
+                return
+
+
+# --- activations ------------------------------------------------------------------------------
