@@ -398,8 +398,10 @@ class Model:
         elif any(v is not None for v in (json_schema, grammar, regex, response_format)):
             raise InvalidArgumentError("a request takes one grammar")
         ids = self._prompt_ids(prompt)
-        with self._lock:  # eval()'s context gives its blocks back (they stay cached for reuse)
-            self.runtime.reset()
+        seq = self.runtime.seq  # the step lock only when eval()'s context holds blocks: a submit
+        if seq is not None and (seq.n_past or any(seq.tables)):  # does not wait for a step
+            with self._lock:  # eval()'s context gives its blocks back (they stay cached for reuse)
+                self.runtime.reset()
         stream = SeqStream(self.tokenizer, list(stop), int(max_tokens), ignore_eos, self.n_ctx)
         req = self.engine.submit(ids, Sampler(params, constraint), stream, logprobs, cache_prompt=bool(cache_prompt))
         req.stats.memory = self.stats.memory

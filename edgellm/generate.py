@@ -125,11 +125,51 @@ class Request:
         # the caller waits in the engine's queue, which was empty when it began to (read the queue
         # before this flag: with no step running, both then hold)
         self.parked = False
+        self._sink = None  # push mode (attach): the engine's thread hands items to it
+        self._lock = threading.Lock()  # orders attach's hand-over against the engine's _put
 
     # --- the engine side ---------------------------------------------------------------------
     def _put(self, item) -> None:
         self.parked = False
-        self._queue.put(item)
+        if self._sink is not None:
+            self._push(item)
+            return
+        with self._lock:
+            if self._sink is None:
+                self._queue.put(item)
+                return
+            self._push(item)
+
+    def _push(self, item, sink=None) -> None:
+        sink = sink or self._sink
+        if item is _END:
+            self.done = True
+            sink(None)
+            return
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            self.done = True
+        sink(item)
+
+    @property
+    def attached(self) -> bool:
+        """In push mode (attach): the engine hands this request's items to its sink."""
+        return self._sink is not None
+
+    def attach(self, sink) -> None:
+        """Push mode, for a caller on an event loop (the server): the engine's thread calls
+        sink(item) for each Chunk, an exception (the last item), or None when the request ends
+        without a last Chunk (cancelled); nothing is queued and nobody iterates. Needs the engine
+        stepping on a thread of its own (Engine.run_forever)."""
+        if self._engine.dedicated is None:
+            raise RuntimeError("Request.attach needs an engine thread (Engine.run_forever)")
+        with self._lock:
+            while True:  # what the engine produced before: first, in order
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._push(item, sink)
+            self._sink = sink
 
     def _ready(self) -> bool:
         return not self._queue.empty()

@@ -298,24 +298,45 @@ class ChatRequest:
         return self
 
     def __next__(self):
+        while True:
+            out = self.feed(next(self.request))
+            if out is not None:
+                return out
+
+    def feed(self, chunk):
+        """One Chunk of the request in: the Chunk to pass on, or None while a call's text is held."""
         from dataclasses import replace
 
-        while True:
-            chunk = next(self.request)
-            if self._fmt is None:
-                self.content += chunk.text
-                return chunk
-            if not self._tk.is_eog(chunk.token):
-                self._tokens.append(chunk.token)
-            if not self._holding and chunk.token in self._triggers:
-                self._holding = True
-            if chunk.finish_reason is not None:
-                return self._last(chunk, replace)
-            if self._holding:
-                self._held.append(chunk.text)
-                continue
+        if self._fmt is None:
             self.content += chunk.text
             return chunk
+        if not self._tk.is_eog(chunk.token):
+            self._tokens.append(chunk.token)
+        if not self._holding and chunk.token in self._triggers:
+            self._holding = True
+        if chunk.finish_reason is not None:
+            return self._last(chunk, replace)
+        if self._holding:
+            self._held.append(chunk.text)
+            return None
+        self.content += chunk.text
+        return chunk
+
+    def attach(self, sink) -> None:
+        """Push mode (Request.attach), the Chunks passed through `feed` on the engine's thread."""
+        def fed(item):
+            if item is None or isinstance(item, BaseException):
+                sink(item)
+                return
+            try:
+                out = self.feed(item)
+            except Exception as exc:  # noqa: BLE001 - never into the engine's step: to the caller
+                sink(exc)
+                return
+            if out is not None:
+                sink(out)
+
+        self.request.attach(fed)
 
     def _last(self, chunk, replace):
         self.done = True

@@ -1,7 +1,7 @@
 """The Starlette application: routes, authentication, JSON and server-sent-event answers.
 
-Nothing here touches the model: requests go through `ModelHost.open` (a thread per request), tokenize /
-detokenize through `asyncio.to_thread`.
+Nothing here touches the model: requests go through `ModelHost.open` (submitted on a small pool,
+their chunks pushed by the engine's thread), tokenize / detokenize through `asyncio.to_thread`.
 """
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
 """The model behind the server, seen from the event loop (`ModelHost`).
 
-The model loads on a thread of its own (the server answers /health with 503 meanwhile). A request
-runs on its own thread too: that thread renders the prompt, calls `Model.submit` and iterates the
-Request — whose tokens the many-sequence engine produces on its thread — posting each Chunk to an
-asyncio queue. So the event loop never touches the model, and `Stream.cancel()` (a closed
+The model loads on a thread of its own (the server answers /health with 503 meanwhile), which then
+runs every engine step (Engine.run_forever). A request is rendered, tokenized and submitted on a
+small pool of threads (the event loop never touches the model), then attached to the engine in push
+mode (Request.attach): the engine's thread hands each Chunk to the request's Stream through the
+event loop's call_soon_threadsafe, with no thread per request. `Stream.cancel()` (a closed
 connection) reaches the engine at once through `Request.cancel()`.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from edgellm.serve.protocol import APIError
 
 @dataclass(frozen=True)
 class Piece:
-    """One generated token as the HTTP layer needs it (token texts decoded on the request's thread)."""
+    """One generated token as the HTTP layer needs it (made on the event loop from the engine's Chunk)."""
 
     token: int
     text: str
@@ -35,57 +37,56 @@ _END = object()
 
 
 class Stream:
-    """Chunks of one request, from its thread to the event loop."""
+    """Chunks of one request, from the engine's thread to the event loop."""
 
-    def __init__(self, engine: "ModelHost", loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: "ModelHost", loop: asyncio.AbstractEventLoop, want_logprobs: bool = False):
         self.engine = engine
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = None
         self.stats = None
+        self.want_logprobs = want_logprobs
         self.cancelled = threading.Event()
         self.aborted = False  # ended by the server (shutting down), not by the client or the engine
         self.reported = False  # counted in the metrics (once, whichever way it ended)
+        self.ended = False  # the engine is done with it (the last item arrived)
         self.t_start = time.perf_counter()
 
-    def _post(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def _run(self, start, kwargs: dict) -> None:
-        """The request's thread: submit (`start(model, kwargs)` returns the Request), then forward
-        every chunk."""
-        model = self.engine.model
-        try:
-            req = start(model, kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which maps it
-            self._post(exc)
-            self._post(_END)
-            return
+    def attach(self, req) -> None:
+        """Take the submitted request's items from the engine's thread (push mode)."""
         self.request = req
+        self.stats = req.stats
         if self.cancelled.is_set():  # cancelled while submit ran
             req.cancel()
-        self._post(None)  # submitted: the HTTP status is 200 from here on
-        tk = model.tokenizer
-        want_lp = kwargs.get("logprobs") is not None
-        try:
-            for chunk in req:
-                if self.cancelled.is_set():
-                    break
-                piece = Piece(chunk.token, chunk.text, chunk.finish_reason, eog=tk.is_eog(chunk.token),
-                              t=time.perf_counter(), tool_calls=chunk.tool_calls)
-                if want_lp and chunk.logprob is not None:
-                    piece = Piece(piece.token, piece.text, piece.finish_reason, _token_text(tk, chunk.token),
-                                  float(chunk.logprob),
-                                  tuple((_token_text(tk, t), float(lp)) for t, lp in chunk.top_logprobs),
-                                  piece.eog, piece.t, chunk.tool_calls)
-                self._post(piece)
-        except BaseException as exc:  # noqa: BLE001
-            self._post(exc)
-        finally:
-            if self.cancelled.is_set():
-                req.cancel()
-            self.stats = req.stats
-            self._post(_END)
+        req.attach(self._from_engine)
+
+    def _from_engine(self, item) -> None:
+        """The engine's thread: hand the item to the event loop (nothing else here)."""
+        self.loop.call_soon_threadsafe(self._arrive, item, time.perf_counter())
+
+    def _arrive(self, item, t: float) -> None:
+        """The event loop: a Chunk becomes a Piece; the last item ends the stream."""
+        if item is None or isinstance(item, BaseException):
+            if item is not None:
+                self.queue.put_nowait(item)
+            self._end()
+            return
+        tk = self.engine.model.tokenizer
+        piece = Piece(item.token, item.text, item.finish_reason, eog=tk.is_eog(item.token), t=t,
+                      tool_calls=item.tool_calls)
+        if self.want_logprobs and item.logprob is not None:
+            piece = Piece(piece.token, piece.text, piece.finish_reason, _token_text(tk, item.token),
+                          float(item.logprob), tuple((_token_text(tk, i), float(lp)) for i, lp in item.top_logprobs),
+                          piece.eog, t, item.tool_calls)
+        self.queue.put_nowait(piece)
+        if item.finish_reason is not None:
+            self._end()
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.queue.put_nowait(_END)
+            self.engine._done(self)
 
     def cancel(self) -> None:
         """Stop generating now: the engine frees the sequence's slot and blocks."""
@@ -97,13 +98,6 @@ class Stream:
         """End the request because the server stops: the client is told so instead of a finish."""
         self.aborted = True
         self.cancel()
-
-    async def started(self) -> None:
-        """Wait until the engine took the request, or raise what submit raised, mapped to an APIError."""
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            await self.queue.get()  # _END
-            raise map_error(item)
 
     async def next(self, timeout: float | None = None):
         """The next Piece, None at the end, or TimeoutError after `timeout` seconds without one."""
@@ -147,6 +141,8 @@ class ModelHost:
         self.in_flight = 0  # requests admitted and not finished (touched on the event loop only)
         self.streams: set[Stream] = set()  # their Streams
         self.closing = False  # shutting down: no new requests
+        # renders, tokenizes and submits requests (short work; the engine's thread does the steps)
+        self._submitter = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgellm-submit")
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self._load_thread, name="edgellm-load", daemon=True)
@@ -155,8 +151,7 @@ class ModelHost:
 
     def _load_thread(self) -> None:
         """Load the model, then run every engine step in this thread (the scheduler's Engine.run_forever): the
-        kernels ran first from here (the load's warm-up) and are fastest from here; the request
-        threads only wait for their chunks."""
+        kernels ran first from here (the load's warm-up) and are fastest from here."""
         try:
             model = self._load()
             self.slots = int(model.engine_stats()["n_seq"])
@@ -190,40 +185,40 @@ class ModelHost:
             raise APIError(503, "the model is still loading; retry in a few seconds", code="model_loading")
 
     async def open(self, start, kwargs: dict) -> Stream:
-        """Admit a request and start it; raises APIError 503 when the queue is full."""
+        """Admit a request and submit it (`start(model, kwargs)` returns the Request, run on the
+        submit pool); raises APIError 503 when the queue is full, or what submit raised, mapped."""
         self.require()
         if self.closing:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.admitted >= self.n_seq + self.max_waiting:
             raise APIError(503, f"the server is busy ({self.admitted} requests running or waiting); "
                                 "retry later", code="queue_full")
-        stream = Stream(self, asyncio.get_running_loop())
+        stream = Stream(self, asyncio.get_running_loop(), want_logprobs=kwargs.get("logprobs") is not None)
         self.in_flight += 1
         self.streams.add(stream)
-        t = threading.Thread(target=self._run, args=(stream, start, kwargs), name="edgellm-request",
-                             daemon=True)
-        t.start()
+        submitted = self._submitter.submit(start, self.model, kwargs)
         try:
-            await stream.started()
-        except BaseException:
-            stream.cancel()
+            req = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:  # the client left while submit ran: cancel what it submits
+            stream.cancelled.set()
+            submitted.add_done_callback(lambda f: f.exception() is None and f.result().cancel())
+            self._done(stream)
             raise
+        except BaseException as exc:  # noqa: BLE001 - mapped for the client
+            self._done(stream)
+            raise map_error(exc) from None
+        stream.attach(req)
         return stream
 
-    def _run(self, stream: Stream, start, kwargs: dict) -> None:
-        try:
-            stream._run(start, kwargs)
-        finally:
-            stream.loop.call_soon_threadsafe(self._done, stream)
-
     def _done(self, stream: Stream) -> None:
-        self.in_flight -= 1
-        self.streams.discard(stream)
+        if stream in self.streams:
+            self.in_flight -= 1
+            self.streams.discard(stream)
 
     async def drain(self, grace: float, give_up=lambda: False) -> int:
         """Shutting down: refuse new requests, give the running ones up to `grace` seconds to
         finish, then end the rest (their clients are told the server stops). Returns how many were
-        ended; waits (a few seconds at most) until their threads have let go of the engine."""
+        ended; waits (a few seconds at most) until the engine has let go of them."""
         self.closing = True
         loop = asyncio.get_running_loop()
         t_end = loop.time() + grace
