@@ -62,7 +62,10 @@ class Stream:
 
     def _from_engine(self, item) -> None:
         """The engine's thread: hand the item to the event loop (nothing else here)."""
-        self.loop.call_soon_threadsafe(self._arrive, item, time.perf_counter())
+        try:
+            self.loop.call_soon_threadsafe(self._arrive, item, time.perf_counter())
+        except RuntimeError:  # the loop is closed (the server has stopped): nobody reads it
+            pass
 
     def _arrive(self, item, t: float) -> None:
         """The event loop: a Chunk becomes a Piece; the last item ends the stream."""
