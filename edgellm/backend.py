@@ -79,6 +79,7 @@ class RingKV(KVLayer):
             self.v.fill(0)
         self.pos = np.full(size, -1, dtype=np.int64)  # host-side bookkeeping
         self.n_used = 0  # slots [0, n_used) may hold data
+        self.singles = 0  # a warm-up's mixed step: its first `singles` tokens take the one-token kernel
 
     def clear(self) -> None:
         self.pos[:] = -1
@@ -104,7 +105,8 @@ class _RingLayout:
         used = self.kv.n_used
         kmap = np.arange(used, dtype=np.int64)
         kbeg, kend = np.zeros(n_tok, np.int64), np.full(n_tok, used, np.int64)
-        return kmap, kbeg, kend, (1 if n_tok == 1 else 0), ([] if n_tok == 1 else [(0, n_tok)])
+        alone = 1 if n_tok == 1 else min(self.kv.singles, n_tok - 1)
+        return kmap, kbeg, kend, alone, ([] if n_tok == 1 else [(alone, n_tok)])
 
 
 def attention_layout(kv, n_tok: int):
@@ -152,9 +154,10 @@ class Backend(ABC):
             raise UnsupportedArchitectureError(f"the {self.device} backend has no attention soft cap (gemma2) "
                                                "yet; run this model on the CPU (--gpu-layers 0)")
 
-    def claim_thread(self) -> None:
-        """Called at the start of every step in the thread that runs it (a backend whose settings
-        belong to the calling thread re-applies them there). Default: nothing."""
+    def run(self, fn, *args):
+        """fn(*args), run where this backend's kernels run best: the runtime's steps and warm-up go
+        through the CPU backend's run (its kernels' thread, with its thread count). Default: here."""
+        return fn(*args)
 
     def prepare(self, model, cfg, layer_devices, output_device: str, n_seq: int, kv_dtype, *,
                 on_compile=None) -> None:

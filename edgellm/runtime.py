@@ -68,12 +68,15 @@ class Runtime:
         self.kv = self.cache.layers  # per layer: K, V arrays and the step layout
         self.seq = None  # the single-context API's sequence (created on first use)
         self._each_backend = list({id(b): b for b in backends.values()}.values())
+        cpu.run(self._prepare, on_compile)  # on the thread that will run the steps
+
+    def _prepare(self, on_compile) -> None:
         # each backend loads what the steps will run before any weight is read (the CPU: its kernels)
         for b in self._each_backend:
             b.prepare(self.model, self.cfg, self.layer_devices, self.output_device, self.n_seq,
                       self.cache.kv_type.kernel_dtype, on_compile=on_compile)
         self.model.offloaded = 0.0
-        cpu.make_resident(self.model)
+        self.backends["cpu"].make_resident(self.model)
 
     # ---------------------------------------------------------------------------------------
     def exact_decode_rows(self) -> int:
@@ -83,6 +86,7 @@ class Runtime:
         would take a batch order (float weights, a GPU layer)."""
         from edgellm.backend import QMatrix
         from edgellm.kernels.cpu import fused
+        from edgellm.kernels.cpu.tensor_types import FUSED_TYPES
         from edgellm.models.decoder import ALONE_MAX
 
         if any(d != "cpu" for d in self.layer_devices + self.expert_devices) or self.output_device != "cpu":
@@ -90,7 +94,7 @@ class Runtime:
         mats = [w for L in self.model.blocks for w in vars(L).values() if isinstance(w, QMatrix)]
         mats += [self.model.output] if isinstance(self.model.output, QMatrix) else []
         types = {int(w.ggml_type) for w in mats}
-        if not mats or not types <= fused.ROW_TYPES or not isinstance(self.model.output, QMatrix):
+        if not mats or not types <= FUSED_TYPES or not isinstance(self.model.output, QMatrix):
             return 1
         return min(ALONE_MAX, fused.max_tokens(types))
 
@@ -142,11 +146,13 @@ class Runtime:
         step writes all its K/V before any attention, so each entry sees the earlier ones' keys.
         rows: indices (into the concatenated tokens) whose logits are returned, None for all.
         Returns host float32 (n_rows, n_vocab); the sequences are committed (their tokens are in the
-        cache) except those in `hold`, whose caller commits only the tokens it keeps."""
+        cache) except those in `hold`, whose caller commits only the tokens it keeps. Runs on the
+        CPU backend's kernel thread (Backend.run)."""
+        return self.backends["cpu"].run(self._forward, entries, rows, hold)
+
+    def _forward(self, entries, rows, hold) -> np.ndarray:
         from edgellm.kv_cache import build_layouts
 
-        for b in self.backends.values():
-            b.claim_thread()
         ids = np.concatenate([e[1] for e in entries]).astype(np.int64, copy=False)
         pos_list, taken = [], {}  # id(SeqKV) -> tokens placed so far in this step
         for seq, t in entries:

@@ -193,8 +193,8 @@ class Engine:
                 time.sleep(HANDOFF_S)  # a caller iterating a Request runs the steps
 
     def run_forever(self) -> None:
-        """Run every step in the calling thread until close() (a server: the thread that loaded the
-        model, whose kernels are fastest from it, steps for all request threads, which only wait)."""
+        """Schedule every step from the calling thread until close() (a server: one thread steps for
+        all requests, which only wait)."""
         self.dedicated = threading.current_thread()
         while True:
             with self._cv:
@@ -218,12 +218,11 @@ class Engine:
             self._free.set()
 
     def drive(self, waiting_for=None) -> bool:
-        """Run one step in the calling thread (a caller waiting for its Request's next chunk; it
-        waits for a step another thread is running first). Numba's OpenMP kernels run at full speed
-        only from the thread that started them (from another thread far slower: docs/performance.md), so
-        the thread that loaded the model and iterates its results should run the steps; the engine
-        thread steps only when nobody iterates. True if a step ran or `waiting_for` (a Request) has
-        a chunk now."""
+        """Run one step from the calling thread (a caller waiting for its Request's next chunk; it
+        waits for a step another thread is running first); its kernels run on the kernel thread
+        (Backend.run) whichever thread schedules it. A caller that schedules the step it waits for
+        saves a thread hand-over per token, so the engine thread steps only when nobody iterates.
+        True if a step ran or `waiting_for` (a Request) has a chunk now."""
         self._driven_at = now()
         ran = self._run_step(blocking=True, unless_ready=waiting_for)
         self._driven_at = now()

@@ -262,6 +262,24 @@ def test_supported_types_cover_the_quant_registry():
     assert set(cpu.supported_types()) == set(QUANT_TYPES)
 
 
+def test_each_type_record_matches_its_kernels():
+    """kernels/cpu/tensor_types.py is the one record per type: its family holds the type's kernels,
+    its fused flag matches the fused step's row kernels, its activation format the row kernel's."""
+    from importlib import import_module
+
+    from edgellm.kernels.cpu import fused
+    from edgellm.kernels.cpu.tensor_types import ACT_BLOCK, FUSED_TYPES, TYPES
+
+    for t, r in TYPES.items():
+        assert r.act in ACT_BLOCK and QUANT_TYPES[t].block_size % ACT_BLOCK[r.act] == 0, t.name
+        if r.family is not None:
+            family = import_module(f"edgellm.kernels.cpu.{r.family}")
+            assert t in family.KERNELS, t.name
+    real = {int(t) for t in fused.ROW_ORDER} & {int(t) for t in TYPES}
+    assert FUSED_TYPES == real
+    assert {int(t) for t in fused.K_TYPES} & real == {int(t) for t in FUSED_TYPES if TYPES[GGMLType(t)].act == "q8_k"}
+
+
 def test_import_does_not_import_numba():
     code = "import sys, edgellm.kernels.cpu; print('numba' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -73,18 +73,25 @@ def test_use_mmap_must_be_a_bool(smollm2_path):
         edgellm.load(smollm2_path, n_ctx=64, use_mmap="no")
 
 
-def test_a_step_from_another_thread_uses_the_models_thread_count(smollm2_path):
-    """Numba's thread count is per calling thread: a step run from a thread that did not load the
-    model (eval here; the engine thread or a caller driving generate alike) must still run with
-    `threads`, not every core."""
+def test_steps_from_any_thread_run_on_one_kernel_thread_with_the_models_count(smollm2_path):
+    """Numba's thread count and OpenMP's thread team are per calling thread: the steps of callers
+    on several threads (eval here, and generate from four at once) all run on the one kernel
+    thread, with `threads` (not every core) and without touching the callers' own counts."""
     import threading
 
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs a machine with at least 2 cores for the counts to differ")
-    m = edgellm.load(smollm2_path, n_ctx=64, threads=1)
-    seen = []
+    m = edgellm.load(smollm2_path, n_ctx=64, n_seq=4, threads=1)
+    seen, inner = [], []
+    forward = m.runtime._forward
+
+    def spy(*args):
+        inner.append((threading.current_thread().name, numba.get_num_threads()))
+        return forward(*args)
+
+    m.runtime._forward = spy
 
     def work():
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # a fresh thread's own count
@@ -94,7 +101,17 @@ def test_a_step_from_another_thread_uses_the_models_thread_count(smollm2_path):
     th = threading.Thread(target=work)
     th.start()
     th.join()
-    assert seen == [1]
+    assert seen == [numba.config.NUMBA_NUM_THREADS] and inner == [("edgellm-kernels", 1)]
+    inner.clear()
+    texts = [None] * 4
+    ths = [threading.Thread(target=lambda i=i: texts.__setitem__(i, "".join(
+        c.text for c in m.generate(f"Count to {i + 3}:", max_tokens=6, temperature=0)))) for i in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert all(texts) and len(inner) >= 6 and set(inner) == {("edgellm-kernels", 1)}
+    m.close()
 
 
 def test_resident_q4_k_rows_are_packed_into_the_arena(gemma3_path, monkeypatch):

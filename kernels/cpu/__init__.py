@@ -32,29 +32,11 @@ from gguf import GGMLQuantizationType as GGMLType
 from edgellm.errors import InvalidArgumentError
 from edgellm.kernels.cpu.jit import (compile_listener, compiler_resident_bytes, loaded_kernels,  # noqa: F401
                                      numba_cache_dir, release_compiler, set_threads, use_cache_dir)
+from edgellm.kernels.cpu.tensor_types import ACT_BLOCK, Q8_1_WEIGHTS, TYPES
 from edgellm.quants import quant_type
 
 # GGMLType -> (module in this package holding its kernels as `KERNELS`, activation format)
-_FAMILY = {
-    GGMLType.F32: (None, "f32"),
-    GGMLType.F16: ("dense", "f16"),
-    GGMLType.BF16: ("dense", "bf16"),
-    GGMLType.Q4_0: ("legacy", "q8_32"),
-    GGMLType.Q4_1: ("legacy", "q8_32"),
-    GGMLType.Q5_0: ("legacy", "q8_32"),
-    GGMLType.Q5_1: ("legacy", "q8_32"),
-    GGMLType.Q8_0: ("legacy", "q8_32"),
-    GGMLType.Q2_K: ("kquants", "q8_k"),
-    GGMLType.Q3_K: ("kquants", "q8_k"),
-    GGMLType.Q4_K: ("kquants", "q8_k"),
-    GGMLType.Q5_K: ("kquants", "q8_k"),
-    GGMLType.Q6_K: ("kquants", "q8_k"),
-    GGMLType.IQ4_NL: ("iquants", "q8_32"),
-    GGMLType.IQ4_XS: ("iquants", "q8_k"),
-}
-# weights whose ggml vec_dot_type is Q8_1 (Q8_0 plus the block's fp16 s = d * sum(q))
-_Q8_1_WEIGHTS = (GGMLType.Q4_1, GGMLType.Q5_1)
-ACT_BLOCK = {"f32": 1, "f16": 1, "bf16": 1, "q8_32": 32, "q8_k": 256}
+_FAMILY = {t: (r.family, r.act) for t, r in TYPES.items()}
 
 # matmul dequantizes this many weights per tile (8 MiB of float32) before handing it to BLAS.
 _TILE_WEIGHTS = 1 << 21
@@ -335,7 +317,7 @@ class Matrix:
             exact(self.weights, *self.quantize_batch(x).parts, out)
             return
         xr = requantize(self.act_format, x)
-        if self.ggml_type in _Q8_1_WEIGHTS:
+        if self.ggml_type in Q8_1_WEIGHTS:
             # llama.cpp adds m_w * s_x per block with s_x = fp16(d_x * sum(q_x)); the product of
             # dequantized rows gives m_w * fp16(d_x) * sum(q_x): add the difference afterwards
             self._matmul_f32(xr, out)

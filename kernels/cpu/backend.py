@@ -11,6 +11,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.backend import QMatrix, RingKV, attention_layout, qkv_attention_by_ops
+from edgellm.kernels.cpu.jit import KERNEL_THREAD, STATE
+from edgellm.kernels.cpu.tensor_types import FUSED_TYPES
 from edgellm.kernels.cpu.numpy_backend import NumpyBackend, gelu_f16_table
 
 F32 = np.float32
@@ -37,14 +39,18 @@ class CPUBackend(NumpyBackend):
         self._experts: dict[int, tuple] = {}  # id(a list of expert QMatrix) -> (the list, their packed rows)
         self.compiler = None  # warmup.CompilerRelease, from the first prepare
 
-    def claim_thread(self) -> None:
-        """Numba's thread count belongs to the calling thread: a step run from a thread other than
-        the one that loaded the model would use every core (NUMBA_NUM_THREADS), not `threads`."""
+    def run(self, fn, *args):
+        """fn(*args) on the process's kernel thread (jit.KERNEL_THREAD), with this backend's thread
+        count (Numba keeps one per thread)."""
+        return KERNEL_THREAD.call(self._with_threads, fn, args)
+
+    def _with_threads(self, fn, args):
         if self.threads:
             import numba
 
             if numba.get_num_threads() != self.threads:
-                numba.set_num_threads(self.threads)
+                self.kernels.set_threads(self.threads)
+        return fn(*args)
 
     def make_resident(self, model) -> None:
         """With an arena: the matrices of the model's layers on this backend, and its output head
@@ -225,7 +231,7 @@ class CPUBackend(NumpyBackend):
     @property
     def ops(self):
         if self._ops is None:
-            self.kernels  # sets the thread count and the kernel cache dir first
+            self.kernels  # the package's entry points, bound once
             from edgellm.kernels.cpu import ops
 
             self._ops = ops
@@ -242,7 +248,7 @@ class CPUBackend(NumpyBackend):
         warmup.warm_up(self, model, cfg, layer_devices, output_device, n_seq, kv_dtype, on_compile)
         if self.compiler is None:
             self.compiler = warmup.CompilerRelease(self.kernels)
-        self.compiler.fused_pending = not self._jit_state.fused_ready
+        self.compiler.fused_pending = not STATE.fused_ready
         self.compiler.release()
 
     def after_step(self, shape: tuple) -> None:
@@ -250,15 +256,9 @@ class CPUBackend(NumpyBackend):
             self.compiler.after_step(shape)
 
     @property
-    def _jit_state(self):
-        from edgellm.kernels.cpu.jit import STATE
-
-        return STATE
-
-    @property
     def attn_kernels(self):
         """kernels/cpu/attention.py (ggml's order, flash attention off)."""
-        self.ops  # the thread count and the kernel cache dir first
+        self.ops  # (common.py, imported by ops, points Numba at the kernel cache dir)
         from edgellm.kernels.cpu import attention
 
         return attention
@@ -266,7 +266,7 @@ class CPUBackend(NumpyBackend):
     @property
     def flash_kernels(self):
         """kernels/cpu/flash.py (flash attention)."""
-        self.ops
+        self.ops  # (as in attn_kernels)
         from edgellm.kernels.cpu import flash
 
         return flash
@@ -386,7 +386,7 @@ class CPUBackend(NumpyBackend):
         blocks[i] with cache kvs[i] and RoPE (freq_base, freq_scale) ropes[i]. The same bits as the
         blocks one by one; False, having done nothing, when one of them needs the unfused ops (or
         the fused kernel is still being compiled: jit.STATE.fused_ready)."""
-        if not self._jit_state.fused_ready or self.flash_attn:  # (the fused kernel reads the cache without it)
+        if not STATE.fused_ready or self.flash_attn:  # (the fused kernel reads the cache without it)
             return False
         key = (tuple(map(id, blocks)), tuple(map(id, kvs)), tuple(ropes))
         stack = self._stacks.get(key)
@@ -436,7 +436,7 @@ class CPUBackend(NumpyBackend):
             rope[i] = (cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1])
         kc0 = stack.kv_arrays[0][0]
         n_head, n_kv = s.q.shape[1] // kc0.shape[2], kc0.shape[1]
-        import numba  # (as in claim_thread: numba loads with the kernels, not with this module)
+        import numba  # (as in run: numba loads with the kernels, not with this module)
 
         self.fused_ops.decode_layers(
             x, s.h[:n], s.q[:n].reshape(n, n_head, -1), s.k[:n].reshape(n, n_kv, -1), s.v[:n].reshape(n, n_kv, -1),
@@ -508,7 +508,7 @@ class CPUBackend(NumpyBackend):
         kc, vc = kv.kernel_arrays()
         fused = self.fused_ops
         if not (self.f16c and kc.dtype == np.uint16 and kc.shape[2] % 8 == 0 and vc.shape[2] % 8 == 0
-                and all(isinstance(m, QMatrix) and m.ggml_type in fused.ROW_TYPES for m in mats)):
+                and all(isinstance(m, QMatrix) and m.ggml_type in FUSED_TYPES for m in mats)):
             return False
         bound = [self._matrix(m) for m in mats]
         weights = tuple(b.weights for b in bound)

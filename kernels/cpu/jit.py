@@ -1,12 +1,14 @@
 """The JIT's life cycle in one place: where compiled kernels are cached, how many threads they run
-on, who hears of a kernel compiling, when the compiler's memory is handed back, and what is ready
-(`STATE`: the fused decode kernel may still be compiling in precompile's workers).
+on and from which thread (`KERNEL_THREAD`), who hears of a kernel compiling, when the compiler's
+memory is handed back, and what is ready (`STATE`: the fused decode kernel may still be compiling
+in precompile's workers).
 
 None of this imports Numba until a function here needs it.
 """
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,16 +44,68 @@ class KernelState:
 STATE = KernelState()
 
 
+class KernelThread:
+    """The one thread that runs a process's model steps. OpenMP (libgomp) gives every thread that
+    starts a parallel region a team of its own, and once the teams' threads outnumber the cores it
+    stops spin-waiting in all of them, so kernels started from a second thread slow every step
+    (docs/performance.md). call() runs fn here and returns its result or raises its exception."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+
+    def call(self, fn, *args):
+        thread = self._thread
+        if thread is threading.current_thread():
+            return fn(*args)
+        if thread is None:
+            with self._start:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="edgellm-kernels", daemon=True)
+                    self._thread.start()
+        done = threading.Lock()
+        done.acquire()
+        box = [None, None]
+        self._jobs.put((fn, args, box, done))
+        interrupted = None
+        while True:  # a Ctrl-C waits for the step to end: its buffers and cache are in use until then
+            try:
+                done.acquire()
+                break
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, box, done = self._jobs.get()
+            try:
+                box[0] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 (handed to the caller)
+                box[1] = e
+            finally:
+                done.release()
+            del fn, args, box  # nothing of a finished step kept alive while idle
+
+
+KERNEL_THREAD = KernelThread()
+
+
 # modules of this package without Numba code (not in the cache key)
-_NOT_KERNELS = ("backend.py", "numpy_backend.py", "jit.py", "warmup.py")
+_NOT_KERNELS = ("__init__.py", "backend.py", "numpy_backend.py", "jit.py", "tensor_types.py", "warmup.py")
 
 
 def numba_cache_dir() -> Path:
     """Where compiled kernels are cached: edgellm's user cache dir (see edgellm.fetch) / numba /
     a digest of this package's kernel sources. Numba checks only the file of the function it caches,
     so a change to a helper module (common.py, ir/*.py) would otherwise load stale machine code.
-    backend.py, numpy_backend.py, jit.py and warmup.py (no compiled code of their own) are left
-    out: an edit there recompiles nothing."""
+    The modules without compiled code of their own (_NOT_KERNELS) are left out: an edit there
+    recompiles nothing."""
     import hashlib
 
     from edgellm.fetch import cache_dir

@@ -74,8 +74,6 @@ class NumpyBackend(Backend):
         if self._kernels is None:
             from edgellm.kernels import cpu
 
-            if self.threads:
-                cpu.set_threads(self.threads)
             self._kernels = cpu
         return self._kernels
 
