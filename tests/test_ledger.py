@@ -118,6 +118,38 @@ print(json.dumps({"loaded": loaded, "compiler": compiler, "loaded_after": cpu.lo
 """
 
 
+WARM_SEQS_WORKER = r"""
+import json, sys
+import edgellm
+from edgellm.kernels import cpu
+m = edgellm.load(sys.argv[1], n_ctx=256, n_seq=4)
+loaded = cpu.loaded_kernels()
+a = m.submit("Name three rivers of Europe.", max_tokens=8, temperature=0)
+next(a)                                      # a's prompt alone, then its first token
+b = m.submit("And three mountains of Asia, with their heights in metres.", max_tokens=8, temperature=0)
+text = "".join(c.text for c in a)            # a's decode tokens beside b's prompt, then both decoding
+text += b.text()
+print(json.dumps({"loaded": loaded, "loaded_after": cpu.loaded_kernels(), "steps": m.engine_stats()["steps"],
+                  "text": text}))
+"""
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_load_warms_the_kernels_of_steps_that_mix_decode_and_prompt(name):
+    """With several sequences, a step can hold one sequence's decode token beside another's prompt
+    (the one-token attention kernel unfused, outside the fused decode step): the warm-up loads it
+    too, so a server's first such step does not stop to load a kernel."""
+    from edgellm.fetch import model_path
+
+    r = subprocess.run([sys.executable, "-c", WARM_SEQS_WORKER, str(model_path(name))],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["loaded"] > 5 and d["text"] and d["steps"] >= 9
+    assert d["loaded_after"] == d["loaded"]
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_load_warms_every_kernel_and_releases_the_compiler(name):

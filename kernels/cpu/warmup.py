@@ -40,7 +40,9 @@ def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fus
     variant of all their types together), or ("block", il, 1, False) per kind when some layers are
     on the GPU (the CPU layers then decode one by one), or when `fused` is False (the fused decode
     kernel is not to be run yet: jit.STATE.fused_ready; the one-token block then runs the
-    unfused kernels); then ("head", n_tok) for the output head's products when they run on the CPU."""
+    unfused kernels); with several sequences, ("mixed", il, n_tok) per kind: a token alone beside a
+    batch, as a step of decode tokens and a prompt runs them; then ("head", n_tok) for the output
+    head's products when they run on the CPU."""
     last = len(layer_devices) - 1
     all_cpu = all(d == "cpu" for d in layer_devices) and fused
     batches = [(PROMPT_TOKENS, False), (PROMPT_TOKENS, True)] + ([] if all_cpu else [(1, False)]) + [
@@ -53,6 +55,8 @@ def warm_up_steps(model, cfg, layer_devices, output_device: str, n_seq: int, fus
                 steps.append(("block", il, n, last_only))
     if all_cpu and kinds:
         steps.append(("layers", kinds, 1))
+    if n_seq > 1:  # a step of decode tokens beside a prompt: the one-token attention, unfused
+        steps += [("mixed", il, SEQS_TOKENS) for il in kinds]
     if output_device == "cpu" and hasattr(model.output, "ggml_type"):
         steps += [("head", n) for n in (PROMPT_TOKENS, 1, SEQS_TOKENS)]
     return steps
@@ -69,6 +73,11 @@ def run_warm_up_step(step: tuple, cfg, cpu, model, kv_dtype) -> None:
         _, il, n, last_only = step
         x = model.embed(np.zeros(n, np.int64))
         model.block(il, cpu, x, np.arange(n, dtype=np.int64), scratch_kv(il), rows=slice(n - 1, n) if last_only else None)
+    elif step[0] == "mixed":
+        _, il, n = step
+        kv = scratch_kv(il)
+        kv.singles = 1
+        model.block(il, cpu, model.embed(np.zeros(n, np.int64)), np.arange(n, dtype=np.int64), kv)
     elif step[0] == "layers":
         _, layers, n = step
         kvs = [scratch_kv(il) for il in layers]

@@ -10,6 +10,10 @@ sweep (1, 4, 8, 16 clients; 32 requests of 16-512 tokens; -t 2 -c 8192) is the d
 
     python scripts/vs_llamacpp/bench_serve.py MODEL.gguf --llama-server [--llama-bin DIR]
 
+`--first-run N` skips the warm-up request: the requests are a fresh server's first, followed by N
+more on the same server (the warm figures to hold them against); the two series share no prompt
+prefix, so both start from an empty prefix cache and only the process's warmth differs.
+
 `--soak N` instead runs N requests against `edgellm serve` with clients that leave early, and checks
 that nothing leaks (see --help). Dev tool, never imported by the package.
 """
@@ -39,13 +43,14 @@ FILLER = ("Here is some background you may use. Memory is the scarcest resource 
           "byte of the key-value cache is a byte the weights cannot use. ")
 
 
-def make_requests(n: int, seed: int, min_tokens: int, max_tokens: int) -> list[dict]:
-    """n chat requests: prompts of 1-12 filler sentences, answers log-uniform in [min, max] tokens."""
+def make_requests(n: int, seed: int, min_tokens: int, max_tokens: int, series: str = "") -> list[dict]:
+    """n chat requests: prompts of 1-12 filler sentences, answers log-uniform in [min, max] tokens.
+    `series` starts every prompt (another series shares no cached prefix with this one)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         context = FILLER * rng.choice([0, 1, 2, 4, 8, 12])
-        question = f"{context}Explain {rng.choice(TOPICS)} in detail."
+        question = f"{series}{context}Explain {rng.choice(TOPICS)} in detail."
         answer = int(round(math.exp(rng.uniform(math.log(min_tokens), math.log(max_tokens)))))
         out.append({"messages": [{"role": "user", "content": question}], "max_tokens": answer})
     return out
@@ -371,13 +376,17 @@ def main() -> int:
                          "left early (a stream closed after 1-8 tokens or before the first, a non-streamed "
                          "request given up after 0.1-2 s); checks that nothing stays held (slots, KV blocks, "
                          "requests), every request is counted once, RSS stays within 5%%, exit 0 on SIGTERM")
+    ap.add_argument("--first-run", type=int, default=0, metavar="N",
+                    help="no warm-up request: the --requests are a fresh server's first, then N more on it (warm), "
+                         "each series with its own prompt prefix")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started here (finally blocks)
 
     if args.soak:
         return soak(args)
-    requests = make_requests(args.requests, args.seed, args.min_tokens, args.max_tokens)
+    requests = make_requests(args.requests, args.seed, args.min_tokens, args.max_tokens,
+                             series="Series A. " if args.first_run else "")
     kinds = [] if args.url else (["edgellm"] if not args.no_edgellm else []) + (
         ["llama-server"] if args.llama_server or args.llama_bin else [])
     rows = []
@@ -390,20 +399,24 @@ def main() -> int:
             else:
                 proc, url, model = start(kind, args, clients)
             try:
-                asyncio.run(run_load(url, model, requests[:1], 1, args.ignore_eos))  # warm-up
-                row = {"server": kind, **asyncio.run(run_load(url, model, requests, clients, args.ignore_eos))}
+                if args.first_run:  # the fresh server's first requests, then as many again warm
+                    first = {"server": kind, **asyncio.run(run_load(url, model, requests, clients, args.ignore_eos))}
+                    first["phase"] = "first"
+                    rows.append(first)
+                    print_row(first, args)
+                    warm = make_requests(args.first_run, args.seed + 1, args.min_tokens, args.max_tokens,
+                                         series="Series B. ")
+                    row = {"server": kind, "phase": "warm",
+                           **asyncio.run(run_load(url, model, warm, clients, args.ignore_eos))}
+                else:
+                    asyncio.run(run_load(url, model, requests[:1], 1, args.ignore_eos))  # warm-up
+                    row = {"server": kind, **asyncio.run(run_load(url, model, requests, clients, args.ignore_eos))}
             finally:
                 if proc is not None:
                     proc.terminate()
                     proc.wait(30)
             rows.append(row)
-            if not args.json:
-                print(f"{row['server']:>12} clients {clients:>2}: {row['tokens_per_s']:6.1f} tok/s  "
-                      f"TTFT p50 {row['ttft_p50']:.2f} s p99 {row['ttft_p99']:.2f} s  "
-                      f"TPOT p50 {row['tpot_p50_ms']:.0f} ms p99 {row['tpot_p99_ms']:.0f} ms  "
-                      f"errors {row['errors']} ({row['tokens']} tokens in {row['wall_s']:.1f} s)", flush=True)
-                for e in row["error_examples"]:
-                    print(f"             error: {e}", flush=True)
+            print_row(row, args)
         ratio = ratios(rows, clients)
         if ratio and not args.json:
             print(f"{'ratio':>12} clients {clients:>2}: tok/s {ratio['tokens_per_s']:.2f}x (goal >= 1.0)  TTFT p50 "
@@ -414,6 +427,18 @@ def main() -> int:
     elif len(kinds) == 2:
         print(table(rows))
     return 0
+
+
+def print_row(row: dict, args) -> None:
+    if args.json:
+        return
+    phase = f" ({row['phase']})" if "phase" in row else ""
+    print(f"{row['server']:>12} clients {row['clients']:>2}{phase}: {row['tokens_per_s']:6.1f} tok/s  "
+          f"TTFT p50 {row['ttft_p50']:.2f} s p99 {row['ttft_p99']:.2f} s  "
+          f"TPOT p50 {row['tpot_p50_ms']:.0f} ms p99 {row['tpot_p99_ms']:.0f} ms  "
+          f"errors {row['errors']} ({row['tokens']} tokens in {row['wall_s']:.1f} s)", flush=True)
+    for e in row["error_examples"]:
+        print(f"             error: {e}", flush=True)
 
 
 def ratios(rows: list[dict], clients: int) -> dict | None:
