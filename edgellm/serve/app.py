@@ -229,18 +229,18 @@ class Server:
         return JSONResponse(body)
 
     async def _collect(self, stream: Stream):
-        """(text, pieces that carry logprobs, finish_reason, tool calls) once the request ends."""
+        """(text, logprob entries (Stream.logprob_entry), finish_reason, tool calls) once the request ends."""
         parts, pieces, finish, n, first, last, calls = [], [], None, 0, None, None, ()
         try:
-            while (piece := await stream.next()) is not None:
+            while (c := await stream.next()) is not None:
                 n += 1
-                first = first or piece.t
-                last = piece.t
-                parts.append(piece.text)
-                if piece.logprob is not None and not piece.eog:
-                    pieces.append(piece)
-                finish = piece.finish_reason or finish
-                calls = piece.tool_calls or calls
+                first = first or stream.t_last
+                last = stream.t_last
+                parts.append(c.text)
+                if c.logprob is not None and (entry := stream.logprob_entry(c)) is not None:
+                    pieces.append(entry)
+                finish = c.finish_reason or finish
+                calls = c.tool_calls or calls
         except P.APIError:
             self._finish(stream, "error", n, first, last)
             raise
@@ -283,28 +283,29 @@ class Server:
                 yield _event(P.chat_chunk(rid, created, self.name, {"role": "assistant", "content": ""}, None))
             while True:
                 try:
-                    piece = await stream.next(self.ping_seconds)
+                    c = await stream.next(self.ping_seconds)
                 except (asyncio.TimeoutError, TimeoutError):
                     yield b": ping\n\n"
                     continue
-                if piece is None:
+                if c is None:
                     break
                 n += 1
-                first = first or piece.t
-                last = piece.t
-                pieces = [piece] if want_lp and not piece.eog else []
-                if piece.finish_reason is not None:
-                    if piece.tool_calls:  # content first, then each call: its id and name, its arguments
-                        if piece.text:
-                            yield _event(chunk(piece.text, None, pieces))
-                        for delta in P.tool_call_deltas(piece.tool_calls):
+                first = first or stream.t_last
+                last = stream.t_last
+                entry = stream.logprob_entry(c) if want_lp else None
+                pieces = [entry] if entry is not None else []
+                if c.finish_reason is not None:
+                    if c.tool_calls:  # content first, then each call: its id and name, its arguments
+                        if c.text:
+                            yield _event(chunk(c.text, None, pieces))
+                        for delta in P.tool_call_deltas(c.tool_calls):
                             yield _event(P.chat_chunk(rid, created, self.name, delta, None))
-                        held = chunk("", piece.finish_reason, [])
+                        held = chunk("", c.finish_reason, [])
                     else:
-                        held = chunk(piece.text, piece.finish_reason, pieces)  # sent with the timings at the end
-                    reason = piece.finish_reason
-                elif piece.text or pieces:
-                    yield _event(chunk(piece.text, None, pieces))
+                        held = chunk(c.text, c.finish_reason, pieces)  # sent with the timings at the end
+                    reason = c.finish_reason
+                elif c.text or pieces:
+                    yield _event(chunk(c.text, None, pieces))
             if stream.aborted and held is None:  # the server stops: say so, not finish an answer cut short
                 reason = "shutdown"
                 yield _event(_SHUTDOWN.body())

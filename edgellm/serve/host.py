@@ -4,7 +4,7 @@ The model loads on a thread of its own (the server answers /health with 503 mean
 runs every engine step (Engine.run_forever). A request is rendered, tokenized and submitted on a
 small pool of threads (the event loop never touches the model), then attached to the engine in push
 mode (Request.attach): the engine's thread hands each Chunk to the request's Stream through the
-event loop's call_soon_threadsafe, with no thread per request. `Stream.cancel()` (a closed
+event loop's call_soon_threadsafe, with no thread per request; the Chunk is what the SSE encoder reads. `Stream.cancel()` (a closed
 connection) reaches the engine at once through `Request.cancel()`.
 """
 from __future__ import annotations
@@ -13,24 +13,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
 
 from edgellm.serve.protocol import APIError
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One generated token as the HTTP layer needs it (made on the event loop from the engine's Chunk)."""
-
-    token: int
-    text: str
-    finish_reason: str | None
-    token_text: str = ""  # the token's own bytes as text (for logprobs)
-    logprob: float | None = None
-    top_logprobs: tuple = ()  # ((text, logprob), ...)
-    eog: bool = False  # an end-of-generation token (left out of logprobs)
-    t: float = 0.0  # perf_counter when it reached the server
-    tool_calls: tuple = ()  # the last piece of an answer that called tools
 
 
 _END = object()
@@ -51,6 +35,7 @@ class Stream:
         self.reported = False  # counted in the metrics (once, whichever way it ended)
         self.ended = False  # the engine is done with it (the last item arrived)
         self.t_start = time.perf_counter()
+        self.t_last = None  # when the Chunk next() returned last reached the server (perf_counter)
 
     def attach(self, req) -> None:
         """Take the submitted request's items from the engine's thread (push mode)."""
@@ -68,20 +53,13 @@ class Stream:
             pass
 
     def _arrive(self, item, t: float) -> None:
-        """The event loop: a Chunk becomes a Piece; the last item ends the stream."""
+        """The event loop: queue the Chunk with its arrival time; the last item ends the stream."""
         if item is None or isinstance(item, BaseException):
             if item is not None:
-                self.queue.put_nowait(item)
+                self.queue.put_nowait((item, t))
             self._end()
             return
-        tk = self.engine.model.tokenizer
-        piece = Piece(item.token, item.text, item.finish_reason, eog=tk.is_eog(item.token), t=t,
-                      tool_calls=item.tool_calls)
-        if self.want_logprobs and item.logprob is not None:
-            piece = Piece(piece.token, piece.text, piece.finish_reason, _token_text(tk, item.token),
-                          float(item.logprob), tuple((_token_text(tk, i), float(lp)) for i, lp in item.top_logprobs),
-                          piece.eog, t, item.tool_calls)
-        self.queue.put_nowait(piece)
+        self.queue.put_nowait((item, t))
         if item.finish_reason is not None:
             self._end()
 
@@ -103,13 +81,27 @@ class Stream:
         self.cancel()
 
     async def next(self, timeout: float | None = None):
-        """The next Piece, None at the end, or TimeoutError after `timeout` seconds without one."""
-        item = await asyncio.wait_for(self.queue.get(), timeout)
-        if item is _END:
+        """The next Chunk (its arrival time in t_last), None at the end, or TimeoutError after
+        `timeout` seconds without one."""
+        got = await asyncio.wait_for(self.queue.get(), timeout)
+        if got is _END:
             return None
+        item, t = got
         if isinstance(item, BaseException):
             raise map_error(item)
+        self.t_last = t
         return item
+
+    def logprob_entry(self, chunk):
+        """(token text, logprob, ((text, logprob), ...)) for the response's logprobs, or None when
+        none were asked for or the token ends the generation (left out, as llama-server does)."""
+        tk = self.engine.model.tokenizer
+        if not self.want_logprobs or tk.is_eog(chunk.token):
+            return None
+        if chunk.logprob is None:
+            return "", None, ()
+        return (_token_text(tk, chunk.token), float(chunk.logprob),
+                tuple((_token_text(tk, i), float(lp)) for i, lp in chunk.top_logprobs))
 
 
 def _token_text(tk, tok: int) -> str:

@@ -357,20 +357,20 @@ def _token_entry(text: str, lp: float) -> dict:
 
 
 def chat_logprobs(pieces) -> dict:
-    """OpenAI chat `logprobs` for Pieces that carry log-probabilities."""
-    return {"content": [dict(_token_entry(p.token_text, p.logprob),
-                             top_logprobs=[_token_entry(t, lp) for t, lp in p.top_logprobs]) for p in pieces]}
+    """OpenAI chat `logprobs` for (token text, logprob, ((text, logprob), ...)) entries."""
+    return {"content": [dict(_token_entry(text, lp), top_logprobs=[_token_entry(t, tlp) for t, tlp in top])
+                        for text, lp, top in pieces]}
 
 
 def completion_logprobs(pieces, offset: int = 0) -> dict:
     """The legacy completions `logprobs` object; text offsets count from `offset` characters."""
     tokens, lps, tops, offsets = [], [], [], []
-    for p in pieces:
+    for text, lp, top in pieces:
         offsets.append(offset)
-        offset += len(p.token_text)
-        tokens.append(p.token_text)
-        lps.append(p.logprob)
-        tops.append({t: lp for t, lp in p.top_logprobs})
+        offset += len(text)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append(dict(top))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
