@@ -12,7 +12,8 @@ sweep (1, 4, 8, 16 clients; 32 requests of 16-512 tokens; -t 2 -c 8192) is the d
 
 `--first-run N` skips the warm-up request: the requests are a fresh server's first, followed by N
 more on the same server (the warm figures to hold them against); the two series share no prompt
-prefix, so both start from an empty prefix cache and only the process's warmth differs.
+prefix (the same lengths, from the same seed), so both start from an empty prefix cache and only
+the process's warmth differs.
 
 `--soak N` instead runs N requests against `edgellm serve` with clients that leave early, and checks
 that nothing leaks (see --help). Dev tool, never imported by the package.
@@ -404,7 +405,7 @@ def main() -> int:
                     first["phase"] = "first"
                     rows.append(first)
                     print_row(first, args)
-                    warm = make_requests(args.first_run, args.seed + 1, args.min_tokens, args.max_tokens,
+                    warm = make_requests(args.first_run, args.seed, args.min_tokens, args.max_tokens,
                                          series="Series B. ")
                     row = {"server": kind, "phase": "warm",
                            **asyncio.run(run_load(url, model, warm, clients, args.ignore_eos))}
