@@ -84,11 +84,25 @@ _TYPES = [
     # qs[128]: 16 bytes per 32-weight sub-block s as IQ4_NL;  ls = 6-bit scale;  w = d*(ls-32)*kv[q]
     QuantType(GGMLType.IQ4_XS, QK_K, 2 + 2 + QK_K // 64 + QK_K // 2,
               "d:f16 | scales_h:u16 | scales_l:u8[4] | qs:u8[128]; w = d*(ls-32)*kv[q] per 32"),
+    # the grid types: d: f16 | per 32 weights, grid entries (8 values for IQ2, 4 for IQ3), a sign per
+    # weight and a 4-bit scale ls (per 16 for IQ2_XS / IQ2_S);  w = d*(0.5+ls)/4 * grid * sign (IQ2),
+    # d*(0.5+ls)/2 * grid * sign (IQ3_XXS), d*(1+2 ls) * grid * sign (IQ3_S)
+    QuantType(GGMLType.IQ2_XXS, QK_K, 2 + QK_K // 4,
+              "d:f16 | qs:u32[16] (per 32: 4 grid bytes | 4x7 sign bits, ls:4)"),
+    QuantType(GGMLType.IQ2_XS, QK_K, 2 + QK_K // 4 + QK_K // 32,
+              "d:f16 | qs:u16[32] (9-bit grid | 7 sign bits) | scales:u8[8] (ls per 16)"),
+    QuantType(GGMLType.IQ2_S, QK_K, 2 + QK_K // 4 + QK_K // 16,
+              "d:f16 | qs:u8[32] | signs:u8[32] | qh:u8[8] (grid bits 8-9) | scales:u8[8] (ls per 16)"),
+    QuantType(GGMLType.IQ3_XXS, QK_K, 2 + 3 * QK_K // 8,
+              "d:f16 | qs:u8[64] (grid) | u32[8] (per 32: 4x7 sign bits, ls:4)"),
+    QuantType(GGMLType.IQ3_S, QK_K, 2 + QK_K // 4 + QK_K // 32 + QK_K // 8 + QK_K // 64,
+              "d:f16 | qs:u8[64] | qh:u8[8] (grid bit 8) | signs:u8[32] | scales:u8[4] (ls per 32)"),
 ]
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {t.ggml_type: t for t in _TYPES}
 # types the CPU backend runs and the CUDA backend does not yet: the planner keeps them off the GPU
-CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS))
+CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS,
+                            GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S))
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in _TYPES)
 
 

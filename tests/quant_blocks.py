@@ -24,6 +24,11 @@ F16_FIELDS = {
     GGMLType.Q6_K: (128 + 64 + 16,),  # after ql[128] | qh[64] | scales[16]: d
     GGMLType.IQ4_NL: (0,),
     GGMLType.IQ4_XS: (0,),
+    GGMLType.IQ2_XXS: (0,),
+    GGMLType.IQ2_XS: (0,),
+    GGMLType.IQ2_S: (0,),
+    GGMLType.IQ3_XXS: (0,),
+    GGMLType.IQ3_S: (0,),
 }
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.quants import QUANT_TYPES
+from quant_blocks import F16_FIELDS
 
 # ============================================================================ references
 
@@ -250,14 +251,6 @@ def gelu_mul_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (ggml's), times up."""
     g = gate.astype(np.float64)
     return (0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * up).astype(np.float32)
-
-
-# Byte offsets of each block format's f16 scale fields (see edgellm/quants.py).
-F16_FIELDS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
-    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
-    GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
-}
 
 
 def random_blocks(ggml_type, n_blocks: int, rng: np.random.Generator, scale: float = 0.1) -> np.ndarray:

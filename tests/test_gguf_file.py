@@ -130,13 +130,21 @@ def test_tensor_offset_past_eof(tmp_path, tiny):
         GGUFFile(bad)
 
 
-@pytest.mark.parametrize("type_id, what", [(200, "unknown type id 200"), (16, "IQ2_XXS")])
+@pytest.mark.parametrize("type_id, what", [(200, "unknown type id 200"), (19, "IQ1_S")])
 def test_unknown_or_unsupported_type(tmp_path, tiny, type_id, what):
     bad = patched(tmp_path, tiny, lambda d: _set_tensor_field(d, "blk.0.attn_q.weight", 2, "type", type_id))
     with pytest.raises(errors.UnsupportedTensorTypeError) as e:
         GGUFFile(bad)
     msg = str(e.value)
     assert what in msg and "blk.0.attn_q.weight" in msg and "Q4_K" in msg  # lists the supported types
+
+
+@pytest.mark.parametrize("type_id, name", [(16, "IQ2_XXS"), (21, "IQ3_S")])
+def test_iq_rows_not_whole_super_blocks(tmp_path, tiny, type_id, name):
+    """A tensor retyped to an IQ type whose rows are not whole 256-blocks: one clear error."""
+    bad = patched(tmp_path, tiny, lambda d: _set_tensor_field(d, "blk.0.attn_q.weight", 2, "type", type_id))
+    with pytest.raises(errors.TensorShapeError, match=f"blk.0.attn_q.weight.*not a whole number of {name} blocks"):
+        GGUFFile(bad)
 
 
 def test_shape_not_whole_blocks(tmp_path, tiny):

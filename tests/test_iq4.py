@@ -1,10 +1,12 @@
-"""IQ4_NL and IQ4_XS against llama.cpp itself, from fixtures written by
-scripts/fixtures/make_iq4_fixtures.py (llama.cpp is not needed here):
+"""The IQ types (IQ4_NL, IQ4_XS and the grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) against
+llama.cpp itself, from fixtures written by scripts/fixtures/make_iq4_fixtures.py (llama.cpp is not
+needed here):
 - ggml's own vec_dot on random rows: the one-token kernels and their NumPy twins, bit for bit;
-- two small llama-shaped files quantized by llama_model_quantize (IQ4_NL pure, IQ4_XS mixed with
-  Q6_K / Q5_K): every logit of the prompt (a 24-token batch: repacked IQ4_NL gemm, tinyBLAS for the
-  340-row head, IQ4_XS's tiled order) and the greedy continuation (one token at a time: gemv,
-  vec_dot) equal llama.cpp's, bit for bit."""
+- small llama-shaped files quantized by llama_model_quantize (IQ4_NL pure, IQ4_XS mixed with
+  Q6_K / Q5_K, each grid type pure with an importance matrix): every logit of the prompt (a
+  24-token batch: repacked IQ4_NL gemm, tinyBLAS for the 340-row head, the tiled order of IQ4_XS
+  and the grid types) and the greedy continuation (one token at a time: gemv, vec_dot) equal
+  llama.cpp's, bit for bit."""
 from __future__ import annotations
 
 import hashlib
@@ -30,16 +32,24 @@ def sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("tname, n_cols", fx.VEC_DOT_CASES)
-def test_one_token_products_equal_ggml_vec_dot(tname, n_cols):
-    want = np.load(DATA / "iq4_vec_dot_llamacpp.npz")[f"{tname}_{n_cols}"]
+VEC_DOT = [(fname, t, n) for fname, cases in fx.VEC_DOT_FILES.items() for t, n in cases]
+
+
+@pytest.mark.parametrize("fname, tname, n_cols", VEC_DOT)
+def test_one_token_products_equal_ggml_vec_dot(fname, tname, n_cols):
+    want = np.load(DATA / fname)[f"{tname}_{n_cols}"]
     raw, x = fx.vec_dot_inputs(tname, n_cols)
     assert raw.shape[0] % 8  # 9 rows: IQ4_NL is not repacked, its matvec is vec_dot
     out = np.empty(raw.shape[0], np.float32)
     cpu.bind(T[tname], raw, n_cols).matvec(x, out)
     np.testing.assert_array_equal(out, want)
     xq, xd, _, _ = cpu.quantize(cpu.activation_format(T[tname]), x).parts
-    twin = ref.rowdot_iq4_nl(raw, xq, xd, "vec_dot") if tname == "IQ4_NL" else ref.rowdot_iq4_xs(raw, xq, xd, False)
+    if tname == "IQ4_NL":
+        twin = ref.rowdot_iq4_nl(raw, xq, xd, "vec_dot")
+    elif tname == "IQ4_XS":
+        twin = ref.rowdot_iq4_xs(raw, xq, xd, False)
+    else:
+        twin = ref.rowdot_igrid(tname, raw, xq, xd, False)
     np.testing.assert_array_equal(twin, want)
 
 
@@ -77,8 +87,9 @@ def test_layers_with_iq4_tensors_stay_off_the_gpu():
     cfg = ModelConfig.from_gguf(gf)
     with pytest.raises(UnsupportedTensorTypeError, match=r"IQ4_XS tensors.*CPU only.*--gpu-layers 0"):
         make_plan(gf, cfg, gpu_layers=1, n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")
-    with pytest.raises(UnsupportedTensorTypeError, match="--gpu-layers 0"):
-        edgellm.load(DATA / "synthetic_llama_IQ4_NL.gguf", gpu_layers=-1, n_ctx=64)
+    for tname in ("IQ4_NL", *fx.GRID_TYPES):
+        with pytest.raises(UnsupportedTensorTypeError, match=f"{tname} tensors.*--gpu-layers 0"):
+            edgellm.load(DATA / f"synthetic_llama_{tname}.gguf", gpu_layers=-1, n_ctx=64)
     p = make_plan(gf, cfg, gpu_layers="auto", n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")
     assert p.n_gpu_layers == 0 and p.output_device == "cpu" and set(p.layers) == {"cpu"}
     assert any("IQ4_XS" in n and "CPU only" in n for n in p.notes), p.notes

@@ -17,12 +17,12 @@ from quant_blocks import F16_FIELDS, bf16_round, f16_round, random_rows, ref_q8_
 
 ALL_TYPES = list(QUANT_TYPES)
 DENSE = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
-K_QUANTS = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}  # 256-blocks
+K_QUANTS = {t for t, q in QUANT_TYPES.items() if q.block_size == 256}  # K-quants and IQ types of 256-blocks
 WITH_Q8_1 = {GGMLType.Q4_1, GGMLType.Q5_1}  # x as Q8_1: the min term uses its fp16 s
 
 
 def widths(t):
-    """Row widths to test: K-quants (and IQ4_XS) need multiples of 256, legacy / float types also take 576, 640."""
+    """Row widths to test: 256-block types need multiples of 256, legacy / float types also take 576, 640."""
     return [1536, 2048] if t in K_QUANTS else [576, 640, 1536, 2048]
 
 
@@ -301,8 +301,8 @@ def test_bad_arguments_raise_clear_errors():
         cpu.matvec(GGMLType.Q4_0, raw, np.zeros(64, np.float64), np.zeros(4, np.float32))
     with pytest.raises(InvalidArgumentError, match="C-contiguous uint8"):
         cpu.dequantize(GGMLType.Q4_0, raw[:, ::2], np.zeros((4, 32), np.float32))
-    with pytest.raises(UnsupportedTensorTypeError, match="IQ2_XXS"):
-        cpu.matvec(GGMLType.IQ2_XXS, raw, np.zeros(64, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(UnsupportedTensorTypeError, match="IQ1_S"):
+        cpu.matvec(GGMLType.IQ1_S, raw, np.zeros(64, np.float32), np.zeros(4, np.float32))
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 4, 7])

@@ -215,6 +215,8 @@ def test_errors_leave_nothing_behind(models, tmp_path):
         (lambda: edgellm.quantize(src, tmp_path / "missing" / "x.gguf", "Q8_0"), "does not exist"),
         (lambda: edgellm.quantize(tmp_path / "nope.gguf", tmp_path / "x.gguf", "Q8_0"), "no such file"),
         (lambda: edgellm.quantize(src, tmp_path / "x.gguf", "Q8_0", output_type="Q9"), "--output-type"),
+        (lambda: edgellm.quantize(src, tmp_path / "x.gguf", "Q8_0", token_embedding_type="iq2_xxs"),
+         "does not quantize to IQ2_XXS"),
     ]
     for call, words in cases:
         with pytest.raises(EdgeLLMError, match=words.replace("-", r"\-")):

@@ -53,6 +53,10 @@ NEVER_QUANTIZED = (
 NEVER_QUANTIZED_EXACT = ("position_embd.weight", "token_types.weight")
 
 
+# the tensor types edgellm's quantizer writes (llama-quantize's bytes)
+ENCODABLE = (*FLOAT_TYPES, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
 def parse_type(name: str, what: str = "TYPE") -> str:
     key = name.upper()
     if key not in FILE_TYPES:
@@ -62,12 +66,13 @@ def parse_type(name: str, what: str = "TYPE") -> str:
 
 def parse_tensor_type(name: str, what: str) -> T:
     """A single tensor type (--output-type, --token-embedding-type): F32, F16, Q8_0, Q6_K, Q4_K..."""
-    try:
-        return T[name.upper()]
-    except KeyError:
-        names = ", ".join(t.name for t in (*FLOAT_TYPES, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                                           T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K))
-        raise InvalidArgumentError(f"unknown {what} {name!r}; use one of {names}") from None
+    names = ", ".join(t.name for t in ENCODABLE)
+    t = T.__members__.get(name.upper())
+    if t is None:
+        raise InvalidArgumentError(f"unknown {what} {name!r}; use one of {names}")
+    if t not in ENCODABLE:  # edgellm runs the IQ types but has no encoder of llama.cpp's for them
+        raise InvalidArgumentError(f"{what} {t.name}: edgellm does not quantize to {t.name}; use one of {names}")
+    return t
 
 
 # ============================================================================ tensor order, category

@@ -17,7 +17,7 @@ cpu.matvec_many([mq, mk, mv], x, [oq, ok, ov])   # x converted once per distinct
 Products use x exactly as llama.cpp's CPU backend converts it for the weight type (8-bit blocks
 with fp16 scales, Q8_K, F16 / BF16 rounding; see common.py), in matvec and matmul alike, so the
 numbers match llama.cpp's up to float32 summation order. `raw` may be a read-only memmap view of
-a GGUF file; it is never copied. The kernels of a type family (dense, legacy, kquants, iquants) are
+a GGUF file; it is never copied. The kernels of a type family (dense, legacy, kquants, iquants, igrid) are
 imported, and compiled, on the first call that needs them, so importing this package does not
 import Numba. Compiled code is cached on disk under the user cache dir (NUMBA_CACHE_DIR, unless
 the user set it).

@@ -392,6 +392,111 @@ def rowdot_iq4_xs(raw, xq, xd, tiled: bool) -> np.ndarray:
     return acc if tiled else hsum8(acc)
 
 
+# --- the grid IQ types (kernels/cpu/igrid.py) ---------------------------------------------------
+# Per super-block of 256: 8-value (IQ2) or 4-value (IQ3) grid entries, a sign bit per weight, a
+# 4-bit scale ls per 32 or 16 weights. The integer products use the odd multiplier 2 ls + 1 and a
+# per-type float factor (IGRID_MULT); dequantization uses the float forms of gguf.quants.
+IGRID_BYTES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82, "IQ3_XXS": 98, "IQ3_S": 110}
+IGRID_MULT = {"IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0}
+
+
+def igrid_tables(name: str) -> np.ndarray:
+    """The type's grid as int64 (entries, 8 or 4), from gguf.quants."""
+    import gguf.quants as gq
+
+    cls = getattr(gq, name)
+    cls.init_grid()
+    return cls.grid.reshape(cls.grid_shape).astype(np.int64)
+
+
+def _ksign_bits(idx: np.ndarray) -> np.ndarray:
+    """(..., 8) bool: weight k of a group of 8 is negative, for 7-bit sign indices (ggml's ksigns:
+    the eighth bit makes the count of negatives even)."""
+    ks = np.frombuffer(__import__("gguf.quants").quants.IQ2_XXS.ksigns, np.uint8).astype(np.int64)
+    return ((ks[idx][..., None] >> np.arange(8)) & 1).astype(bool)
+
+
+def _byte_bits(b: np.ndarray) -> np.ndarray:
+    return ((b.astype(np.int64)[..., None] >> np.arange(8)) & 1).astype(bool)
+
+
+def igrid_parts(name: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One super-block of every row (rows, bytes) -> (d float32 (rows,), signed values int64
+    (rows, 256), ls int64 (rows, 16): the 4-bit scale of each 16 weights)."""
+    n = blk.shape[0]
+    grid = igrid_tables(name)
+    d = _f16(blk, 0)
+    b = blk.astype(np.int64)
+    if name == "IQ2_XXS":
+        a = np.ascontiguousarray(blk[:, 2:66]).view(np.uint32).astype(np.int64).reshape(n, 8, 2)
+        idx = b[:, 2:66].reshape(n, 8, 8)[:, :, :4]  # the first u32 of each pair: 4 grid bytes
+        neg = _ksign_bits((a[:, :, 1:2] >> (7 * np.arange(4))) & 127)  # (n, 8, 4, 8)
+        ls = np.repeat(a[:, :, 1] >> 28, 2, axis=1)
+    elif name in ("IQ2_XS", "IQ2_S"):
+        if name == "IQ2_XS":
+            q = np.ascontiguousarray(blk[:, 2:66]).view(np.uint16).astype(np.int64).reshape(n, 8, 4)
+            idx, neg = q & 511, _ksign_bits(q >> 9)
+            sc = b[:, 66:74]
+        else:
+            qh = b[:, 66:74]
+            idx = b[:, 2:34].reshape(n, 8, 4) | (((qh[:, :, None] >> (2 * np.arange(4))) & 3) << 8)
+            neg = _byte_bits(b[:, 34:66]).reshape(n, 8, 4, 8)
+            sc = b[:, 74:82]
+        ls = np.stack([sc & 15, sc >> 4], axis=2).reshape(n, 16)
+    elif name == "IQ3_XXS":
+        a = np.ascontiguousarray(blk[:, 66:98]).view(np.uint32).astype(np.int64)  # (n, 8)
+        idx = b[:, 2:66].reshape(n, 8, 8)
+        neg = _ksign_bits((a[:, :, None] >> (7 * np.arange(4))) & 127)
+        ls = np.repeat(a >> 28, 2, axis=1)
+    elif name == "IQ3_S":
+        qh = b[:, 66:74]
+        idx = b[:, 2:66].reshape(n, 8, 8) | (((qh[:, :, None] >> np.arange(8)) & 1) << 8)
+        neg = _byte_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
+        sc = b[:, 106:110]
+        ls = np.repeat(np.stack([sc & 15, sc >> 4], axis=2).reshape(n, 8), 2, axis=1)
+    else:
+        raise ValueError(name)
+    mag = grid[idx].reshape(n, 256)
+    return d, np.where(neg.reshape(n, 256), -mag, mag), ls
+
+
+def dequantize_igrid(name: str, raw: np.ndarray) -> np.ndarray:
+    """uint8 (rows, nb * bytes) -> float32 (rows, nb * 256), gguf.quants' float steps:
+    db = d * (0.5 + ls) * 0.25 (IQ2), d * (0.5 + ls) * 0.5 (IQ3_XXS), d * (1 + 2 ls) (IQ3_S);
+    w = (db * |grid|) * sign."""
+    size, out = IGRID_BYTES[name], []
+    for j in range(raw.shape[1] // size):
+        d, v, ls = igrid_parts(name, raw[:, size * j:size * j + size])
+        if name == "IQ3_S":
+            db = (d[:, None] * (1 + 2 * ls).astype(F32)).astype(F32)
+        else:
+            db = ((d[:, None] * (F32(0.5) + ls.astype(F32))).astype(F32)
+                  * F32(0.25 if name.startswith("IQ2") else 0.5)).astype(F32)
+        w = (np.repeat(db, 16, axis=1) * np.abs(v).astype(F32)).astype(F32)
+        out.append(np.where(v < 0, -w, w))
+    return np.concatenate(out, axis=1)
+
+
+def rowdot_igrid(name: str, raw, xq, xd, tiled: bool) -> np.ndarray:
+    """Grid-IQ rows times one token's "q8_k" x in llama.cpp's two orders:
+    vec_dot (ggml_vec_dot_<t>_q8_K, AVX2): per super-block 8 integer lanes, lane j the sum over
+        sub-blocks of (2 ls + 1) * the products of weights 4j .. 4j + 3; acc = fma(d_w * d_x,
+        f32(lanes), acc); mult * hsum_float_8(acc);
+    tiled (8 tokens or more): res = (d_w * mult) * f32(s1), s1 the exact scaled sum;
+        acc = fma(res, d_x, acc)."""
+    n, size, mult = raw.shape[0], IGRID_BYTES[name], F32(IGRID_MULT[name])
+    acc = np.zeros(n, F32) if tiled else np.zeros((n, 8), F32)
+    for b in range(xd.size):
+        d, v, ls = igrid_parts(name, raw[:, size * b:size * b + size])
+        prod = v * xq[256 * b:256 * b + 256].astype(np.int64) * np.repeat(2 * ls + 1, 16, axis=1)
+        if tiled:
+            acc = fma(((d * mult).astype(F32) * prod.sum(-1).astype(F32)).astype(F32), xd[b], acc)
+        else:
+            lanes = prod.reshape(n, 8, 8, 4).sum(axis=(1, 3))
+            acc = fma((d * xd[b]).astype(F32)[:, None], lanes.astype(F32), acc)
+    return acc if tiled else (mult * hsum8(acc)).astype(F32)
+
+
 def c_expf():
     """The C library's expf (what Numba's float32 exp calls, and ggml's flash attention)."""
     import ctypes

@@ -36,6 +36,11 @@ TYPES: dict[T, CPUType] = {r.ggml_type: r for r in (
     CPUType(T.Q6_K, "kquants", "q8_k", fused=True),
     CPUType(T.IQ4_NL, "iquants", "q8_32"),
     CPUType(T.IQ4_XS, "iquants", "q8_k"),
+    CPUType(T.IQ2_XXS, "igrid", "q8_k"),
+    CPUType(T.IQ2_XS, "igrid", "q8_k"),
+    CPUType(T.IQ2_S, "igrid", "q8_k"),
+    CPUType(T.IQ3_XXS, "igrid", "q8_k"),
+    CPUType(T.IQ3_S, "igrid", "q8_k"),
 )}
 
 ACT_BLOCK = {"f32": 1, "f16": 1, "bf16": 1, "q8_32": 32, "q8_k": 256}  # values per activation block
