@@ -97,12 +97,16 @@ _TYPES = [
               "d:f16 | qs:u8[64] (grid) | u32[8] (per 32: 4x7 sign bits, ls:4)"),
     QuantType(GGMLType.IQ3_S, QK_K, 2 + QK_K // 4 + QK_K // 32 + QK_K // 8 + QK_K // 64,
               "d:f16 | qs:u8[64] | qh:u8[8] (grid bit 8) | signs:u8[32] | scales:u8[4] (ls per 32)"),
+    # ternary: codes q in 0..2, w = d * (q - 1); TQ1_0 packs 5 base-3 digits per byte (4 in qh)
+    QuantType(GGMLType.TQ1_0, QK_K, (QK_K - 4 * QK_K // 64) // 5 + QK_K // 64 + 2,
+              "qs:u8[48] (5 digits each) | qh:u8[4] (4 digits) | d:f16; w = d*(q-1)"),
+    QuantType(GGMLType.TQ2_0, QK_K, QK_K // 4 + 2, "qs:u8[64] (2-bit codes) | d:f16; w = d*(q-1)"),
 ]
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {t.ggml_type: t for t in _TYPES}
 # types the CPU backend runs and the CUDA backend does not yet: the planner keeps them off the GPU
 CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS,
-                            GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S))
+                            GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.TQ1_0, GGMLType.TQ2_0))
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in _TYPES)
 
 

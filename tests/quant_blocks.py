@@ -29,6 +29,8 @@ F16_FIELDS = {
     GGMLType.IQ2_S: (0,),
     GGMLType.IQ3_XXS: (0,),
     GGMLType.IQ3_S: (0,),
+    GGMLType.TQ1_0: (52,),
+    GGMLType.TQ2_0: (64,),
 }
 
 

@@ -1,5 +1,6 @@
-"""The grid IQ types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (super-blocks of 256, activations
-"q8_k"). Layouts: edgellm/quants.py; their NumPy twins: reference.igrid_parts.
+"""The grid IQ types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and the ternary TQ1_0, TQ2_0
+(super-blocks of 256, activations "q8_k"). Layouts: edgellm/quants.py; their NumPy twins:
+reference.igrid_parts, reference.tq_codes.
 
 A super-block is first decoded into 256 signed int8 values (grid entry * sign; |value| <= 62) and
 16 odd multipliers 2 ls + 1 (one per 16 weights), then multiplied with x in llama.cpp's orders
@@ -8,8 +9,11 @@ A super-block is first decoded into 256 signed int8 values (grid entry * sign; |
       sub-blocks of (2 ls + 1) * the products of weights 4j .. 4j + 3; acc = fma(d_w * d_x,
       f32(lanes), acc); mult * hsum_float_8(acc)
   8 tokens or more, llama.cpp's tiled kernel: res = (d_w * mult) * f32(s1), acc = fma(res, d_x, acc)
-mult is 1/8 (IQ2), 1/4 (IQ3_XXS) or 1 (IQ3_S). A block is decoded once per row and used for every
-token of a batch. Dequantize follows gguf.quants operation for operation: bit-exact.
+mult is 1/8 (IQ2), 1/4 (IQ3_XXS) or 1 (IQ3_S). The TQ types keep their codes 0..2 (weight + 1) and
+take ggml's vec_dot for every batch size: lane j as above with multiplier 1, less the two Q8_K sums
+of 16 of x at lane j's position (bsums 2j, 2j + 1), then the same fma and hsum_float_8.
+A block is decoded once per row and used for every token of a batch. Dequantize follows
+gguf.quants operation for operation: bit-exact.
 """
 from __future__ import annotations
 
@@ -22,23 +26,27 @@ from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
 from edgellm.kernels.cpu.iquants import _fma_ints, hsum8
-from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i32, load_bytes, quad_sums
+from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i8, i32, load_bytes, quad_sums
 
 TILED_MIN = 8  # batches from this many tokens on take llama.cpp's tiled order
 
 
 def _grid(cls) -> np.ndarray:
+    """The grid, each entry's int8 values packed little-endian: uint64 (8 values) or uint32 (4)."""
     cls.init_grid()
-    return np.ascontiguousarray(cls.grid.reshape(cls.grid_shape).astype(np.int8))
+    g = np.ascontiguousarray(cls.grid.reshape(cls.grid_shape).astype(np.uint8))
+    return g.view(np.uint64 if g.shape[1] == 8 else np.uint32).reshape(-1).copy()
 
 
 GRID_IQ2_XXS, GRID_IQ2_XS, GRID_IQ2_S = _grid(gq.IQ2_XXS), _grid(gq.IQ2_XS), _grid(gq.IQ2_S)
 GRID_IQ3_XXS, GRID_IQ3_S = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S)
-KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).copy()  # 7 sign bits -> 8 (an even count)
+KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).astype(np.uint64)  # 7 sign bits -> 8 (an even count)
 
-# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S
-BYTES = (66, 74, 82, 98, 110)
-MULT = (0.125, 0.125, 0.125, 0.25, 1.0)
+# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 TQ1_0, 6 TQ2_0
+BYTES = (66, 74, 82, 98, 110, 54, 66)
+MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0)
+D_AT = (0, 0, 0, 0, 0, 52, 64)  # byte offset of d in the block
+POW3 = np.array([1, 3, 9, 27, 81], np.uint64)  # TQ1_0 packs 5 (4 in qh) base-3 digits per byte
 
 
 @njit(inline="always")
@@ -47,20 +55,35 @@ def _u32(row, o):
             | (U(row[o + U(3)]) << U(24)))
 
 
-@njit(inline="always")
-def _put8(v, at, g, idx, signs):
-    """v[at:at + 8] = the 8-value grid entry idx of g, negated where bit k of signs is set."""
-    for k in range(8):
-        m = I32(g[idx, k])
-        v[at + U(k)] = np.int8(-m if (signs >> U(k)) & U(1) else m)
+@intrinsic
+def _expand32(typingctx, v, v_off, g0, g1, g2, g3, signs):
+    """v[v_off:v_off + 32] (int8) = the bytes of g0 .. g3 (uint64, little-endian), negated where
+    bit i of signs (uint64, low 32 bits) is set."""
+    sig = types.none(v, types.uint64, types.uint64, types.uint64, types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        g = ir.Constant(ir.VectorType(i64, 4), ir.Undefined)
+        for k in range(4):
+            g = builder.insert_element(g, args[2 + k], ir.Constant(ir.IntType(32), k))
+        g = builder.bitcast(g, i8(32))
+        sb = builder.bitcast(builder.trunc(args[6], ir.IntType(32)), i8(4))
+        spread = builder.shuffle_vector(sb, sb, ir.Constant(i32(32), [i // 8 for i in range(32)]))
+        bits = ir.Constant(i8(32), [1 << (i % 8) for i in range(32)])
+        neg = builder.icmp_unsigned("!=", builder.and_(spread, bits), ir.Constant(i8(32), [0] * 32))
+        val = builder.select(neg, builder.sub(ir.Constant(i8(32), [0] * 32), g), g)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8(32).as_pointer())
+        builder.store(val, ptr, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(inline="always")
-def _put4(v, at, g, idx, signs, shift):
-    """v[at:at + 4] = the 4-value grid entry idx of g, signed by bits shift .. shift + 3 of signs."""
-    for k in range(4):
-        m = I32(g[idx, k])
-        v[at + U(k)] = np.int8(-m if (signs >> (shift + U(k))) & U(1) else m)
+def _pair(g, a, b):
+    """Two 4-value grid entries as one uint64 (a's values first)."""
+    return U(g[a]) | (U(g[b]) << U(32))
 
 
 @njit(inline="always")
@@ -71,47 +94,78 @@ def _decode(kind, row, o, v, ls):
         for s in range(U(8)):
             q = o + U(2) + U(8) * s
             aux = _u32(row, q + U(4))
-            for g in range(U(4)):
-                _put8(v, U(32) * s + U(8) * g, GRID_IQ2_XXS, row[q + g], U(KSIGNS[(aux >> (U(7) * g)) & U(127)]))
+            signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
+                     | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
+            _expand32(v, U(32) * s, GRID_IQ2_XXS[row[q]], GRID_IQ2_XXS[row[q + U(1)]],
+                      GRID_IQ2_XXS[row[q + U(2)]], GRID_IQ2_XXS[row[q + U(3)]], signs)
             ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
     elif kind == 1:  # IQ2_XS: u16 of 9-bit grid index and 7 sign bits; ls per 16
         for s in range(U(8)):
-            for g in range(U(4)):
-                q = o + U(2) + U(8) * s + U(2) * g
-                w = U(row[q]) | (U(row[q + U(1)]) << U(8))
-                _put8(v, U(32) * s + U(8) * g, GRID_IQ2_XS, w & U(511), U(KSIGNS[w >> U(9)]))
+            q = o + U(2) + U(8) * s
+            w0 = U(row[q]) | (U(row[q + U(1)]) << U(8))
+            w1 = U(row[q + U(2)]) | (U(row[q + U(3)]) << U(8))
+            w2 = U(row[q + U(4)]) | (U(row[q + U(5)]) << U(8))
+            w3 = U(row[q + U(6)]) | (U(row[q + U(7)]) << U(8))
+            signs = (KSIGNS[w0 >> U(9)] | (KSIGNS[w1 >> U(9)] << U(8)) | (KSIGNS[w2 >> U(9)] << U(16))
+                     | (KSIGNS[w3 >> U(9)] << U(24)))
+            _expand32(v, U(32) * s, GRID_IQ2_XS[w0 & U(511)], GRID_IQ2_XS[w1 & U(511)],
+                      GRID_IQ2_XS[w2 & U(511)], GRID_IQ2_XS[w3 & U(511)], signs)
             sc = I32(row[o + U(66) + s])
             ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
     elif kind == 2:  # IQ2_S: grid byte + 2 high bits from qh, a sign byte per 8; ls per 16
         for s in range(U(8)):
             qh = U(row[o + U(66) + s])
-            for g in range(U(4)):
-                idx = U(row[o + U(2) + U(4) * s + g]) | (((qh >> (U(2) * g)) & U(3)) << U(8))
-                _put8(v, U(32) * s + U(8) * g, GRID_IQ2_S, idx, U(row[o + U(34) + U(4) * s + g]))
+            q = o + U(2) + U(4) * s
+            _expand32(v, U(32) * s, GRID_IQ2_S[U(row[q]) | ((qh & U(3)) << U(8))],
+                      GRID_IQ2_S[U(row[q + U(1)]) | (((qh >> U(2)) & U(3)) << U(8))],
+                      GRID_IQ2_S[U(row[q + U(2)]) | (((qh >> U(4)) & U(3)) << U(8))],
+                      GRID_IQ2_S[U(row[q + U(3)]) | ((qh >> U(6)) << U(8))], _u32(row, o + U(34) + U(4) * s))
             sc = I32(row[o + U(74) + s])
             ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
     elif kind == 3:  # IQ3_XXS: 8 grid bytes per 32, a u32 of 4 x 7 sign bits and ls
         for s in range(U(8)):
             aux = _u32(row, o + U(66) + U(4) * s)
-            for g in range(U(4)):
-                signs = U(KSIGNS[(aux >> (U(7) * g)) & U(127)])
-                q = o + U(2) + U(8) * s + U(2) * g
-                _put4(v, U(32) * s + U(8) * g, GRID_IQ3_XXS, row[q], signs, U(0))
-                _put4(v, U(32) * s + U(8) * g + U(4), GRID_IQ3_XXS, row[q + U(1)], signs, U(4))
+            signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
+                     | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
+            q = o + U(2) + U(8) * s
+            g = GRID_IQ3_XXS
+            _expand32(v, U(32) * s, _pair(g, row[q], row[q + U(1)]), _pair(g, row[q + U(2)], row[q + U(3)]),
+                      _pair(g, row[q + U(4)], row[q + U(5)]), _pair(g, row[q + U(6)], row[q + U(7)]), signs)
             ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
-    else:  # IQ3_S: grid byte + 1 high bit from qh, a sign byte per 8; ls per 32
+    elif kind == 4:  # IQ3_S: grid byte + 1 high bit from qh, a sign byte per 8; ls per 32
         for s in range(U(8)):
             qh = U(row[o + U(66) + s])
-            for g in range(U(4)):
-                signs = U(row[o + U(74) + U(4) * s + g])
-                q = o + U(2) + U(8) * s + U(2) * g
-                _put4(v, U(32) * s + U(8) * g, GRID_IQ3_S,
-                      U(row[q]) | (((qh >> (U(2) * g)) & U(1)) << U(8)), signs, U(0))
-                _put4(v, U(32) * s + U(8) * g + U(4), GRID_IQ3_S,
-                      U(row[q + U(1)]) | (((qh >> (U(2) * g + U(1))) & U(1)) << U(8)), signs, U(4))
+            q = o + U(2) + U(8) * s
+            g = GRID_IQ3_S
+            _expand32(v, U(32) * s,
+                      _pair(g, U(row[q]) | ((qh & U(1)) << U(8)), U(row[q + U(1)]) | (((qh >> U(1)) & U(1)) << U(8))),
+                      _pair(g, U(row[q + U(2)]) | (((qh >> U(2)) & U(1)) << U(8)),
+                            U(row[q + U(3)]) | (((qh >> U(3)) & U(1)) << U(8))),
+                      _pair(g, U(row[q + U(4)]) | (((qh >> U(4)) & U(1)) << U(8)),
+                            U(row[q + U(5)]) | (((qh >> U(5)) & U(1)) << U(8))),
+                      _pair(g, U(row[q + U(6)]) | (((qh >> U(6)) & U(1)) << U(8)), U(row[q + U(7)]) | ((qh >> U(7)) << U(8))),
+                      _u32(row, o + U(74) + U(4) * s))
             sc = I32(row[o + U(106) + s // U(2)])
             ls[U(2) * s] = ls[U(2) * s + U(1)] = (sc >> I32(U(4) * (s & U(1)))) & I32(15)
-    return f16_to_f32(row[o], row[o + U(1)])
+    elif kind == 5:  # TQ1_0: digit n of byte q is (u8(q * 3^n) * 3) >> 8 (ggml's order of weights)
+        for n in range(5):
+            p = POW3[n]
+            for m in range(32):
+                v[U(32 * n + m)] = np.int8((((U(row[o + U(m)]) * p) & U(255)) * U(3)) >> U(8))
+            for m in range(16):
+                v[U(160 + 16 * n + m)] = np.int8((((U(row[o + U(32 + m)]) * p) & U(255)) * U(3)) >> U(8))
+        for n in range(4):
+            for m in range(4):
+                v[U(240 + 4 * n + m)] = np.int8((((U(row[o + U(48 + m)]) * POW3[n]) & U(255)) * U(3)) >> U(8))
+        ls[:] = I32(0)
+    else:  # TQ2_0: 2-bit codes, byte b of each 32 holds weights b, b + 32, b + 64, b + 96
+        for k in range(U(8)):
+            base = o + U(32) * (k >> U(2))
+            sh = U(2) * (k & U(3))
+            for b in range(U(32)):
+                v[U(32) * k + b] = np.int8((U(row[base + b]) >> sh) & U(3))
+        ls[:] = I32(0)
+    return f16_to_f32(row[o + U(D_AT[kind])], row[o + U(D_AT[kind] + 1)])
 
 
 @intrinsic
@@ -145,14 +199,14 @@ def _block_lanes(v, ls, xq, xo, iq):
 
 
 @njit(inline="always")
-def _product(kind, raw, xq, xd, out):
+def _product(kind, raw, xq, xd, xs, out):
     """out (n_tok, n_rows) = raw's rows times the tokens' "q8_k" parts, in llama.cpp's order for
     the batch size; rows by chunks of 16, each super-block decoded once for every token."""
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     size = U(BYTES[kind])
     mult = F32(MULT[kind])
-    tiled = n_tok >= TILED_MIN
+    tiled = n_tok >= TILED_MIN and kind < 5
     for c in prange((n_rows + 15) // 16):
         v = np.empty(256, np.int8)
         ls = np.empty(16, I32)
@@ -166,6 +220,9 @@ def _product(kind, raw, xq, xd, out):
                 for t in range(n_tok):
                     b = U(t) * nb + U(j)
                     _block_lanes(v, ls, xq, b * U(256), iq)
+                    if kind >= 5:  # codes are weight + 1: less x's sums of 16
+                        for k in range(8):
+                            iq[k] -= xs[U(16) * b + U(2 * k)] + xs[U(16) * b + U(2 * k + 1)]
                     if tiled:
                         s1 = I32(0)
                         for k in range(8):
@@ -189,6 +246,10 @@ def _dequantize(kind, raw, out):
         for j in range(U(out.shape[1] // 256)):
             d = _decode(kind, row, j * size, v, ls)
             for h in range(16):
+                if kind >= 5:
+                    for k in range(16):
+                        dst[j * U(256) + U(16 * h + k)] = d * F32(I32(v[16 * h + k]) - I32(1))
+                    continue
                 if kind == 4:
                     db = d * F32(I32(1) + I32(2) * ls[h])
                 else:
@@ -226,52 +287,82 @@ def dequantize_iq3_s(raw, out, lanes):
 
 @njit(**JIT)
 def matmul_iq2_xxs(raw, xq, xd, xs, xm, out):
-    _product(0, raw, xq, xd, out)
+    _product(0, raw, xq, xd, xs, out)
 
 
 @njit(**JIT)
 def matmul_iq2_xs(raw, xq, xd, xs, xm, out):
-    _product(1, raw, xq, xd, out)
+    _product(1, raw, xq, xd, xs, out)
 
 
 @njit(**JIT)
 def matmul_iq2_s(raw, xq, xd, xs, xm, out):
-    _product(2, raw, xq, xd, out)
+    _product(2, raw, xq, xd, xs, out)
 
 
 @njit(**JIT)
 def matmul_iq3_xxs(raw, xq, xd, xs, xm, out):
-    _product(3, raw, xq, xd, out)
+    _product(3, raw, xq, xd, xs, out)
 
 
 @njit(**JIT)
 def matmul_iq3_s(raw, xq, xd, xs, xm, out):
-    _product(4, raw, xq, xd, out)
+    _product(4, raw, xq, xd, xs, out)
 
 
 @njit(**JIT)
 def matvec_iq2_xxs(raw, xq, xd, xs, xm, out):
-    _product(0, raw, xq, xd, out.reshape(1, out.size))
+    _product(0, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
 @njit(**JIT)
 def matvec_iq2_xs(raw, xq, xd, xs, xm, out):
-    _product(1, raw, xq, xd, out.reshape(1, out.size))
+    _product(1, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
 @njit(**JIT)
 def matvec_iq2_s(raw, xq, xd, xs, xm, out):
-    _product(2, raw, xq, xd, out.reshape(1, out.size))
+    _product(2, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
 @njit(**JIT)
 def matvec_iq3_xxs(raw, xq, xd, xs, xm, out):
-    _product(3, raw, xq, xd, out.reshape(1, out.size))
+    _product(3, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
 @njit(**JIT)
 def matvec_iq3_s(raw, xq, xd, xs, xm, out):
-    _product(4, raw, xq, xd, out.reshape(1, out.size))
+    _product(4, raw, xq, xd, xs, out.reshape(1, out.size))
+
+
+@njit(**JIT)
+def dequantize_tq1_0(raw, out, lanes):
+    _dequantize(5, raw, out)
+
+
+@njit(**JIT)
+def dequantize_tq2_0(raw, out, lanes):
+    _dequantize(6, raw, out)
+
+
+@njit(**JIT)
+def matmul_tq1_0(raw, xq, xd, xs, xm, out):
+    _product(5, raw, xq, xd, xs, out)
+
+
+@njit(**JIT)
+def matmul_tq2_0(raw, xq, xd, xs, xm, out):
+    _product(6, raw, xq, xd, xs, out)
+
+
+@njit(**JIT)
+def matvec_tq1_0(raw, xq, xd, xs, xm, out):
+    _product(5, raw, xq, xd, xs, out.reshape(1, out.size))
+
+
+@njit(**JIT)
+def matvec_tq2_0(raw, xq, xd, xs, xm, out):
+    _product(6, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
 KERNELS = {
@@ -280,6 +371,9 @@ KERNELS = {
     GGMLType.IQ2_S: (dequantize_iq2_s, matvec_iq2_s),
     GGMLType.IQ3_XXS: (dequantize_iq3_xxs, matvec_iq3_xxs),
     GGMLType.IQ3_S: (dequantize_iq3_s, matvec_iq3_s),
+    GGMLType.TQ1_0: (dequantize_tq1_0, matvec_tq1_0),
+    GGMLType.TQ2_0: (dequantize_tq2_0, matvec_tq2_0),
 }
 MATMUL = {GGMLType.IQ2_XXS: matmul_iq2_xxs, GGMLType.IQ2_XS: matmul_iq2_xs, GGMLType.IQ2_S: matmul_iq2_s,
-          GGMLType.IQ3_XXS: matmul_iq3_xxs, GGMLType.IQ3_S: matmul_iq3_s}
+          GGMLType.IQ3_XXS: matmul_iq3_xxs, GGMLType.IQ3_S: matmul_iq3_s, GGMLType.TQ1_0: matmul_tq1_0,
+          GGMLType.TQ2_0: matmul_tq2_0}

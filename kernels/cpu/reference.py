@@ -497,6 +497,36 @@ def rowdot_igrid(name: str, raw, xq, xd, tiled: bool) -> np.ndarray:
     return acc if tiled else (mult * hsum8(acc)).astype(F32)
 
 
+TQ_BYTES = {"TQ1_0": 54, "TQ2_0": 66}
+
+
+def tq_codes(name: str, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One TQ super-block of every row -> (d float32 (rows,), codes int64 (rows, 256): weight + 1)."""
+    n = blk.shape[0]
+    b = blk.astype(np.int64)
+    if name == "TQ2_0":
+        codes = (b[:, :64].reshape(n, 2, 1, 32) >> (2 * np.arange(4))[:, None]) & 3  # (n, half, shift, byte)
+        return _f16(blk, 64), codes.reshape(n, 256)
+    digit = lambda q, k: (((q[..., None, :] * 3 ** np.arange(k)[:, None]) & 255) * 3) >> 8  # noqa: E731
+    codes = np.concatenate([digit(b[:, :32], 5).reshape(n, 160), digit(b[:, 32:48], 5).reshape(n, 80),
+                            digit(b[:, 48:52], 4).reshape(n, 16)], axis=1)
+    return _f16(blk, 52), codes
+
+
+def rowdot_tq(name: str, raw, xq, xd, xs) -> np.ndarray:
+    """TQ rows times one token's "q8_k" x as ggml_vec_dot_<t>_q8_K (AVX2), every batch size: lane j
+    = the products of codes and x at bytes 4j .. 4j + 3 of each 32, less x's sums of 16 number 2j
+    and 2j + 1; acc = fma(d_w * d_x, f32(lanes), acc); hsum_float_8."""
+    n, size = raw.shape[0], TQ_BYTES[name]
+    acc = np.zeros((n, 8), F32)
+    for b in range(xd.size):
+        d, codes = tq_codes(name, raw[:, size * b:size * b + size])
+        lanes = (codes * xq[256 * b:256 * b + 256].astype(np.int64)).reshape(n, 8, 8, 4).sum(axis=(1, 3))
+        lanes -= xs[16 * b:16 * b + 16].astype(np.int64).reshape(8, 2).sum(1)
+        acc = fma((d * xd[b]).astype(F32)[:, None], lanes.astype(F32), acc)
+    return hsum8(acc)
+
+
 def c_expf():
     """The C library's expf (what Numba's float32 exp calls, and ggml's flash attention)."""
     import ctypes
