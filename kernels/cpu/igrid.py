@@ -26,7 +26,9 @@ from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
 from edgellm.kernels.cpu.iquants import _fma_ints, hsum8
-from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i8, i32, load_bytes, quad_sums
+from edgellm.kernels.cpu.host import AVX2
+from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, i8, i16, i32, llvm_fn, load_vec, quad_sums,
+                                             reduce4)
 
 TILED_MIN = 8  # batches from this many tokens on take llama.cpp's tiled order
 
@@ -168,34 +170,140 @@ def _decode(kind, row, o, v, ls):
     return f16_to_f32(row[o + U(D_AT[kind])], row[o + U(D_AT[kind] + 1)])
 
 
+def _scaled_quads(builder, xv, w, sc_pair):
+    """<8 x i32>: lane j = sc * (sum_{k<4} xb[4j+k] * w[4j+k]) of one 32-weight sub-block, xb = x + 128
+    (unsigned), w signed (|w| <= 62, so pmaddubsw's pair sums fit int16), sc the sub-block's two
+    per-16 multipliers (<2 x i16>: lanes 0-3, lanes 4-7)."""
+    xb = builder.xor(xv, ir.Constant(i8(32), [-128] * 32))
+    if AVX2:
+        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [xb, w])
+        scale = builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(16), [0] * 8 + [1] * 8))
+        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
+    prod = builder.mul(builder.zext(xb, i32(32)), builder.sext(w, i32(32)))
+    quads = None
+    for k in range(4):
+        part = builder.shuffle_vector(prod, prod, ir.Constant(i32(8), [4 * j + k for j in range(8)]))
+        quads = part if quads is None else builder.add(quads, part)
+    scale = builder.sext(builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(8), [0] * 4 + [1] * 4)), i32(8))
+    return builder.mul(quads, scale)
+
+
+def _signed_quads(builder, xv, w, sc_pair):
+    """_scaled_quads with x as is: |w| times x * sign(w)."""
+    u, sx = abs_sign(builder, w, xv)
+    if AVX2:
+        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [u, sx])
+        scale = builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(16), [0] * 8 + [1] * 8))
+        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
+    scale = builder.sext(builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(8), [0] * 4 + [1] * 4)), i32(8))
+    return builder.mul(quad_sums(builder, u, sx), scale)
+
+
+def _block_raw(context, builder, sig_args, args, x_off, quads=_scaled_quads):
+    """<8 x i32>: the super-block's scaled lanes with x + 128, summed over its 8 sub-blocks
+    (args: v int8[256], sc int16[16], x int8 array; x_off: the block's offset in x)."""
+    v = array_ptr(context, builder, sig_args[0], args[0])
+    sc = array_ptr(context, builder, sig_args[1], args[1])
+    x = array_ptr(context, builder, sig_args[2], args[2])
+    acc = None
+    for s in range(8):
+        w = load_vec(builder, v, ir.Constant(ir.IntType(64), 32 * s), i8(32))
+        xv = load_vec(builder, x, builder.add(x_off, ir.Constant(ir.IntType(64), 32 * s)), i8(32))
+        pair = load_vec(builder, sc, ir.Constant(ir.IntType(64), 2 * s), ir.VectorType(ir.IntType(16), 2))
+        q = quads(builder, xv, w, pair)
+        acc = q if acc is None else builder.add(acc, q)
+    return acc
+
+
 @intrinsic
-def _lanes_into(typingctx, v, v_off, x, x_off, s_lo, s_hi, acc):
-    """acc[0:8] (int32) += lane j's products of v[v_off + 4j ..] (int8) and x[x_off + 4j ..] (int8),
-    lanes 0-3 times s_lo, 4-7 times s_hi (exact)."""
-    sig = types.none(v, types.uint64, x, types.uint64, types.int32, types.int32, acc)
+def _lanes_block(typingctx, v, sc, x, x_off, iq):
+    """iq[0:8] (int32) += the super-block's 8 vec_dot lanes: lane j = sum over sub-blocks of the
+    per-16 multiplier times the products of weights 4j .. 4j + 3 with x at x[x_off:] (exact)."""
+    sig = types.none(v, sc, x, types.uint64, iq)
 
     def codegen(context, builder, signature, args):
-        w = load_bytes(context, builder, signature.args[0], args[0], args[1], 32)
-        xv = load_bytes(context, builder, signature.args[2], args[2], args[3], 32)
-        u, s = abs_sign(builder, w, xv)
-        q = quad_sums(builder, u, s)
-        lo = builder.insert_element(ir.Constant(i32(8), ir.Undefined), args[4], ir.Constant(ir.IntType(32), 0))
-        hi = builder.insert_element(ir.Constant(i32(8), ir.Undefined), args[5], ir.Constant(ir.IntType(32), 0))
-        scale = builder.shuffle_vector(lo, hi, ir.Constant(i32(8), [0, 0, 0, 0, 8, 8, 8, 8]))
-        data = context.make_array(signature.args[6])(context, builder, args[6]).data
-        ptr = builder.bitcast(data, i32(8).as_pointer())
-        builder.store(builder.add(builder.load(ptr, align=4), builder.mul(q, scale)), ptr, align=4)
+        lanes = _block_raw(context, builder, signature.args, args, args[3], _signed_quads)
+        ip = builder.bitcast(array_ptr(context, builder, signature.args[4], args[4]), i32(8).as_pointer())
+        builder.store(builder.add(builder.load(ip, align=4), lanes), ip, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _block_s1(typingctx, v, sc, x, x_off, corr):
+    """int32: the super-block's exact scaled sum with x at x[x_off:] (the lanes above, summed)."""
+    sig = types.int32(v, sc, x, types.uint64, corr)
+
+    def codegen(context, builder, signature, args):
+        raw = _block_raw(context, builder, signature.args, args, args[3])
+        cp = builder.bitcast(array_ptr(context, builder, signature.args[4], args[4]), i32(8).as_pointer())
+        lanes = builder.sub(raw, builder.load(cp, align=4))
+        return builder.call(llvm_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [i32(8)]), [lanes])
+
+    return sig, codegen
+
+
+@intrinsic
+def _block_s1x4(typingctx, v, sc, x, x_off, stride, corr, s1):
+    """s1[0:4] (int32) = _block_s1 for four tokens at x_off + k * stride, the weights loaded once."""
+    sig = types.none(v, sc, x, types.uint64, types.uint64, corr, s1)
+
+    def codegen(context, builder, signature, args):
+        vp = array_ptr(context, builder, signature.args[0], args[0])
+        scp = array_ptr(context, builder, signature.args[1], args[1])
+        xp = array_ptr(context, builder, signature.args[2], args[2])
+        offs = [args[3]]
+        for _ in range(3):
+            offs.append(builder.add(offs[-1], args[4]))
+        accs = [None] * 4
+        for s in range(8):
+            at = ir.Constant(ir.IntType(64), 32 * s)
+            w = load_vec(builder, vp, at, i8(32))
+            pair = load_vec(builder, scp, ir.Constant(ir.IntType(64), 2 * s), ir.VectorType(ir.IntType(16), 2))
+            for k in range(4):
+                q = _scaled_quads(builder, load_vec(builder, xp, builder.add(offs[k], at), i8(32)), w, pair)
+                accs[k] = q if accs[k] is None else builder.add(accs[k], q)
+        corr = builder.load(builder.bitcast(array_ptr(context, builder, signature.args[5], args[5]),
+                                            i32(8).as_pointer()), align=4)
+        sums = reduce4(builder, [builder.sub(a, corr) for a in accs])
+        out = builder.bitcast(array_ptr(context, builder, signature.args[6], args[6]), i32(4).as_pointer())
+        builder.store(sums, out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _corr_lanes(typingctx, v, sc, corr):
+    """corr[0:8] (int32) = the lanes of the super-block with x = 0, i.e. of 128 * its weights: what
+    taking x + 128 adds to every lane."""
+    sig = types.none(v, sc, corr)
+
+    def codegen(context, builder, signature, args):
+        zx = ir.Constant(i8(32), [0] * 32)
+        v = array_ptr(context, builder, signature.args[0], args[0])
+        sc = array_ptr(context, builder, signature.args[1], args[1])
+        acc = None
+        for s in range(8):
+            w = load_vec(builder, v, ir.Constant(ir.IntType(64), 32 * s), i8(32))
+            pair = load_vec(builder, sc, ir.Constant(ir.IntType(64), 2 * s), ir.VectorType(ir.IntType(16), 2))
+            q = _scaled_quads(builder, zx, w, pair)
+            acc = q if acc is None else builder.add(acc, q)
+        cp = builder.bitcast(array_ptr(context, builder, signature.args[2], args[2]), i32(8).as_pointer())
+        builder.store(acc, cp, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(inline="always")
-def _block_lanes(v, ls, xq, xo, iq):
-    """iq (int32 8) += the super-block's 8 lanes with x at xq[xo:]."""
-    for s in range(U(8)):
-        _lanes_into(v, U(32) * s, xq, xo + U(32) * s, I32(I32(2) * ls[U(2) * s] + I32(1)),
-                    I32(I32(2) * ls[U(2) * s + U(1)] + I32(1)), iq)
+def _decode_block(kind, row, o, v, ls, sc):
+    """_decode, plus the per-16 multipliers sc (int16 16: 2 ls + 1, 1 for TQ); returns d."""
+    d = _decode(kind, row, o, v, ls)
+    for h in range(16):
+        sc[h] = np.int16(I32(2) * ls[h] + I32(1))
+    return d
 
 
 @njit(inline="always")
@@ -210,27 +318,37 @@ def _product(kind, raw, xq, xd, xs, out):
     for c in prange((n_rows + 15) // 16):
         v = np.empty(256, np.int8)
         ls = np.empty(16, I32)
+        sc = np.empty(16, np.int16)
+        corr = np.empty(8, I32)
         iq = np.zeros(8, I32)
+        s4 = np.empty(4, I32)
         acc = np.empty((n_tok, 8), F32)
         for r in range(c * 16, min(c * 16 + 16, n_rows)):
             row = raw[r]
             acc[:] = F32(0.0)
             for j in range(nb):
-                dw = _decode(kind, row, U(j) * size, v, ls)
-                for t in range(n_tok):
+                dw = _decode_block(kind, row, U(j) * size, v, ls, sc)
+                d0 = F32(dw * mult)
+                t0 = 0
+                if tiled:  # x is taken as x + 128 (unsigned): corr, the lanes of 128 * the weights
+                    _corr_lanes(v, sc, corr)
+                    for t in range(0, n_tok - 3, 4):
+                        b = U(t) * nb + U(j)
+                        _block_s1x4(v, sc, xq, b * U(256), nb * U(256), corr, s4)
+                        for k in range(4):
+                            bk = b + U(k) * nb
+                            acc[t + k, 0] = fma32(d0 * F32(s4[k]), xd[bk], acc[t + k, 0])
+                    t0 = n_tok - n_tok % 4
+                for t in range(t0, n_tok):
                     b = U(t) * nb + U(j)
-                    _block_lanes(v, ls, xq, b * U(256), iq)
+                    if tiled:
+                        acc[t, 0] = fma32(d0 * F32(_block_s1(v, sc, xq, b * U(256), corr)), xd[b], acc[t, 0])
+                        continue
+                    _lanes_block(v, sc, xq, b * U(256), iq)
                     if kind >= 5:  # codes are weight + 1: less x's sums of 16
                         for k in range(8):
                             iq[k] -= xs[U(16) * b + U(2 * k)] + xs[U(16) * b + U(2 * k + 1)]
-                    if tiled:
-                        s1 = I32(0)
-                        for k in range(8):
-                            s1 += iq[k]
-                            iq[k] = I32(0)
-                        acc[t, 0] = fma32(F32(dw * mult) * F32(s1), xd[b], acc[t, 0])
-                    else:
-                        _fma_ints(dw * xd[b], iq, acc[t])
+                    _fma_ints(dw * xd[b], iq, acc[t])
             for t in range(n_tok):
                 out[t, r] = acc[t, 0] if tiled else mult * hsum8(acc[t])
 
