@@ -101,12 +101,19 @@ _TYPES = [
     QuantType(GGMLType.TQ1_0, QK_K, (QK_K - 4 * QK_K // 64) // 5 + QK_K // 64 + 2,
               "qs:u8[48] (5 digits each) | qh:u8[4] (4 digits) | d:f16; w = d*(q-1)"),
     QuantType(GGMLType.TQ2_0, QK_K, QK_K // 4 + 2, "qs:u8[64] (2-bit codes) | d:f16; w = d*(q-1)"),
+    # 1.5-1.75 bits: 8-value grid entries of -1/0/1, a 3-bit scale and a delta of +-1/8;
+    # w = d*(2 ls + 1) * (grid + delta)
+    QuantType(GGMLType.IQ1_S, QK_K, 2 + QK_K // 8 + QK_K // 16,
+              "d:f16 | qs:u8[32] | qh:u16[8] (per 32: 4x3 grid bits, ls:3, delta sign)"),
+    QuantType(GGMLType.IQ1_M, QK_K, QK_K // 8 + QK_K // 16 + QK_K // 32,
+              "qs:u8[32] | qh:u8[16] (per 8: 3 grid bits, delta sign) | scales:u16[4] (ls per 16, d's 4 bits each)"),
 ]
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {t.ggml_type: t for t in _TYPES}
 # types the CPU backend runs and the CUDA backend does not yet: the planner keeps them off the GPU
 CPU_ONLY_TYPES = frozenset((GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.IQ2_XXS, GGMLType.IQ2_XS,
-                            GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.TQ1_0, GGMLType.TQ2_0))
+                            GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.TQ1_0, GGMLType.TQ2_0,
+                            GGMLType.IQ1_S, GGMLType.IQ1_M))
 SUPPORTED_TYPE_NAMES = ", ".join(t.name for t in _TYPES)
 
 

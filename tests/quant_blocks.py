@@ -31,6 +31,8 @@ F16_FIELDS = {
     GGMLType.IQ3_S: (0,),
     GGMLType.TQ1_0: (52,),
     GGMLType.TQ2_0: (64,),
+    GGMLType.IQ1_S: (0,),
+    GGMLType.IQ1_M: (),  # d is spread over the scales' top nibbles: random bits
 }
 
 
@@ -54,7 +56,18 @@ def random_rows(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) ->
     blocks = rng.integers(0, 256, (n_blocks, qt.type_size), dtype=np.uint8)
     for offset in F16_FIELDS[ggml_type]:
         blocks[:, offset:offset + 2] = _scales(rng, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if ggml_type == GGMLType.IQ1_M:
+        set_iq1_m_d(blocks, _scales(rng, n_blocks))
     return blocks.reshape(n_rows, qt.row_bytes(n_cols))
+
+
+def set_iq1_m_d(blocks: np.ndarray, d: np.ndarray) -> None:
+    """Write fp16(d) into IQ1_M blocks (n, 56): its four nibbles are the top nibbles of the four
+    u16 scales (bytes 49, 51, 53, 55)."""
+    h = d.astype(np.float16).view(np.uint16).astype(np.int64)
+    for k in range(4):
+        b = 49 + 2 * k
+        blocks[:, b] = (blocks[:, b] & 0x0F) | (((h >> (4 * k)) & 0x0F) << 4).astype(np.uint8)
 
 
 # --- NumPy reimplementations of ggml's CPU activation conversions (x86 / AVX2 rounding) ---------

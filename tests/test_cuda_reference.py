@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGMLType
 
 from edgellm.quants import QUANT_TYPES
-from quant_blocks import F16_FIELDS
+from quant_blocks import F16_FIELDS, set_iq1_m_d
 
 # ============================================================================ references
 
@@ -269,6 +269,8 @@ def random_blocks(ggml_type, n_blocks: int, rng: np.random.Generator, scale: flo
     for offset in F16_FIELDS[ggml_type]:
         scales = (rng.uniform(0.01, 1.0, n_blocks) * scale * rng.choice([-1, 1], n_blocks)).astype(np.float16)
         raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    if ggml_type == GGMLType.IQ1_M:
+        set_iq1_m_d(raw, (rng.uniform(0.01, 1.0, n_blocks) * scale).astype(np.float32))
     return raw.reshape(-1)
 
 

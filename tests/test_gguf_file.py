@@ -130,7 +130,7 @@ def test_tensor_offset_past_eof(tmp_path, tiny):
         GGUFFile(bad)
 
 
-@pytest.mark.parametrize("type_id, what", [(200, "unknown type id 200"), (19, "IQ1_S")])
+@pytest.mark.parametrize("type_id, what", [(200, "unknown type id 200"), (39, "MXFP4")])
 def test_unknown_or_unsupported_type(tmp_path, tiny, type_id, what):
     bad = patched(tmp_path, tiny, lambda d: _set_tensor_field(d, "blk.0.attn_q.weight", 2, "type", type_id))
     with pytest.raises(errors.UnsupportedTensorTypeError) as e:

@@ -1,12 +1,12 @@
-"""The IQ types (IQ4_NL, IQ4_XS and the grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and the
-ternary TQ1_0, TQ2_0 against llama.cpp itself, from fixtures written by scripts/fixtures/make_iq4_fixtures.py (llama.cpp is not
-needed here):
+"""The IQ types (IQ4_NL, IQ4_XS, the grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, and IQ1_S,
+IQ1_M) and the ternary TQ1_0, TQ2_0 against llama.cpp itself, from fixtures written by
+scripts/fixtures/make_iq4_fixtures.py (llama.cpp is not needed here):
 - ggml's own vec_dot on random rows: the one-token kernels and their NumPy twins, bit for bit;
 - small llama-shaped files quantized by llama_model_quantize (IQ4_NL pure, IQ4_XS mixed with
-  Q6_K / Q5_K, each grid type pure with an importance matrix, the TQ types pure): every logit of
-  the prompt (a 24-token batch: repacked IQ4_NL gemm, tinyBLAS for the 340-row head, the tiled
-  order of IQ4_XS and the grid types, vec_dot for TQ) and the greedy continuation (one token at a time: gemv, vec_dot) equal
-  llama.cpp's, bit for bit."""
+  Q6_K / Q5_K, each grid and IQ1 type pure with an importance matrix, the TQ types pure): every
+  logit of the prompt (a 24-token batch: repacked IQ4_NL gemm, tinyBLAS for the 340-row head, the
+  tiled order of IQ4_XS, the grid and IQ1 types, vec_dot for TQ) and the greedy continuation (one
+  token at a time: gemv, vec_dot) equal llama.cpp's, bit for bit."""
 from __future__ import annotations
 
 import hashlib
@@ -50,6 +50,8 @@ def test_one_token_products_equal_ggml_vec_dot(fname, tname, n_cols):
         twin = ref.rowdot_iq4_xs(raw, xq, xd, False)
     elif tname.startswith("TQ"):
         twin = ref.rowdot_tq(tname, raw, xq, xd, xs)
+    elif tname.startswith("IQ1"):
+        twin = ref.rowdot_iq1(tname, raw, xq, xd, False)
     else:
         twin = ref.rowdot_igrid(tname, raw, xq, xd, False)
     np.testing.assert_array_equal(twin, want)
@@ -89,7 +91,7 @@ def test_layers_with_iq4_tensors_stay_off_the_gpu():
     cfg = ModelConfig.from_gguf(gf)
     with pytest.raises(UnsupportedTensorTypeError, match=r"IQ4_XS tensors.*CPU only.*--gpu-layers 0"):
         make_plan(gf, cfg, gpu_layers=1, n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")
-    for tname in ("IQ4_NL", *fx.GRID_TYPES, *fx.TQ_TYPES):
+    for tname in ("IQ4_NL", *fx.GRID_TYPES, *fx.TQ_TYPES, *fx.IQ1_TYPES):
         with pytest.raises(UnsupportedTensorTypeError, match=f"{tname} tensors.*--gpu-layers 0"):
             edgellm.load(DATA / f"synthetic_llama_{tname}.gguf", gpu_layers=-1, n_ctx=64)
     p = make_plan(gf, cfg, gpu_layers="auto", n_ctx=64, n_batch=64, kv_type="f16", vram="8GiB")

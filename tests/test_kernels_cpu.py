@@ -301,8 +301,8 @@ def test_bad_arguments_raise_clear_errors():
         cpu.matvec(GGMLType.Q4_0, raw, np.zeros(64, np.float64), np.zeros(4, np.float32))
     with pytest.raises(InvalidArgumentError, match="C-contiguous uint8"):
         cpu.dequantize(GGMLType.Q4_0, raw[:, ::2], np.zeros((4, 32), np.float32))
-    with pytest.raises(UnsupportedTensorTypeError, match="IQ1_S"):
-        cpu.matvec(GGMLType.IQ1_S, raw, np.zeros(64, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(UnsupportedTensorTypeError, match="MXFP4"):
+        cpu.matvec(GGMLType.MXFP4, raw, np.zeros(64, np.float32), np.zeros(4, np.float32))
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 4, 7])

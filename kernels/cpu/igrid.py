@@ -1,6 +1,6 @@
-"""The grid IQ types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and the ternary TQ1_0, TQ2_0
-(super-blocks of 256, activations "q8_k"). Layouts: edgellm/quants.py; their NumPy twins:
-reference.igrid_parts, reference.tq_codes.
+"""The grid IQ types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and the ternary TQ1_0,
+TQ2_0 (super-blocks of 256, activations "q8_k"). Layouts: edgellm/quants.py; their NumPy twins:
+reference.igrid_parts, reference.tq_codes, reference.iq1_parts.
 
 A super-block is first decoded into 256 signed int8 values (grid entry * sign; |value| <= 62) and
 16 odd multipliers 2 ls + 1 (one per 16 weights), then multiplied with x in llama.cpp's orders
@@ -12,6 +12,9 @@ A super-block is first decoded into 256 signed int8 values (grid entry * sign; |
 mult is 1/8 (IQ2), 1/4 (IQ3_XXS) or 1 (IQ3_S). The TQ types keep their codes 0..2 (weight + 1) and
 take ggml's vec_dot for every batch size: lane j as above with multiplier 1, less the two Q8_K sums
 of 16 of x at lane j's position (bsums 2j, 2j + 1), then the same fma and hsum_float_8.
+IQ1_S / IQ1_M: the vec_dot lanes of the grid values (-1 / 0 / 1), plus the deltas' lanes (IQ1_M, a
+second accumulator) or their integer sum (IQ1_S, a scalar fma); hsum + 1/8 * the delta part. Their
+tiled order takes the codes 8 * grid + delta sign with d / 8.
 A block is decoded once per row and used for every token of a batch. Dequantize follows
 gguf.quants operation for operation: bit-exact.
 """
@@ -42,12 +45,13 @@ def _grid(cls) -> np.ndarray:
 
 GRID_IQ2_XXS, GRID_IQ2_XS, GRID_IQ2_S = _grid(gq.IQ2_XXS), _grid(gq.IQ2_XS), _grid(gq.IQ2_S)
 GRID_IQ3_XXS, GRID_IQ3_S = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S)
+GRID_IQ1 = _grid(gq.IQ1_S)  # values -1, 0, 1 (IQ1_S and IQ1_M)
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).astype(np.uint64)  # 7 sign bits -> 8 (an even count)
 
-# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 TQ1_0, 6 TQ2_0
-BYTES = (66, 74, 82, 98, 110, 54, 66)
-MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0)
-D_AT = (0, 0, 0, 0, 0, 52, 64)  # byte offset of d in the block
+# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 TQ1_0, 6 TQ2_0, 7 IQ1_S, 8 IQ1_M
+BYTES = (66, 74, 82, 98, 110, 54, 66, 50, 56)
+MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0, 0.125, 0.125)
+D_AT = (0, 0, 0, 0, 0, 52, 64, 0, 0)  # byte offset of d in the block (IQ1_M: spread over its scales)
 POW3 = np.array([1, 3, 9, 27, 81], np.uint64)  # TQ1_0 packs 5 (4 in qh) base-3 digits per byte
 
 
@@ -83,15 +87,23 @@ def _expand32(typingctx, v, v_off, g0, g1, g2, g3, signs):
 
 
 @njit(inline="always")
+def _expand8(v, at, g):
+    """v[at:at + 8] = the 8 bytes of g (uint64, little-endian) as int8."""
+    for k in range(8):
+        v[at + U(k)] = np.int8(np.uint8((g >> U(8 * k)) & U(255)))
+
+
+@njit(inline="always")
 def _pair(g, a, b):
     """Two 4-value grid entries as one uint64 (a's values first)."""
     return U(g[a]) | (U(g[b]) << U(32))
 
 
 @njit(inline="always")
-def _decode(kind, row, o, v, ls):
-    """The super-block at byte o: values into v (int8 256), the 4-bit scales into ls (int32 16, one
-    per 16 weights); returns d (float32)."""
+def _decode(kind, row, o, v, ls, vd):
+    """The super-block at byte o: values into v (int8 256), the scales into ls (int32 16, one per 16
+    weights; the multiplier is 2 ls + 1); for IQ1, the grid values -1 / 0 / 1 into v and the sign of
+    each weight's delta (+-1) into vd; returns d (float32)."""
     if kind == 0:  # IQ2_XXS: per 32, u32 of 4 grid bytes, u32 of 4 x 7 sign bits and ls
         for s in range(U(8)):
             q = o + U(2) + U(8) * s
@@ -160,6 +172,35 @@ def _decode(kind, row, o, v, ls):
             for m in range(4):
                 v[U(240 + 4 * n + m)] = np.int8((((U(row[o + U(48 + m)]) * POW3[n]) & U(255)) * U(3)) >> U(8))
         ls[:] = I32(0)
+    elif kind == 7:  # IQ1_S: per 32, 4 grid bytes + 3 high bits each, ls and the delta's sign in qh
+        for s in range(U(8)):
+            hw = U(row[o + U(34) + U(2) * s]) | (U(row[o + U(35) + U(2) * s]) << U(8))
+            q = o + U(2) + U(4) * s
+            _expand32(v, U(32) * s, GRID_IQ1[U(row[q]) | ((hw & U(7)) << U(8))],
+                      GRID_IQ1[U(row[q + U(1)]) | (((hw >> U(3)) & U(7)) << U(8))],
+                      GRID_IQ1[U(row[q + U(2)]) | (((hw >> U(6)) & U(7)) << U(8))],
+                      GRID_IQ1[U(row[q + U(3)]) | (((hw >> U(9)) & U(7)) << U(8))], U(0))
+            neg = np.int8(-1 if hw >> U(15) else 1)
+            for k in range(32):
+                vd[U(32) * s + U(k)] = neg
+            ls[U(2) * s] = ls[U(2) * s + U(1)] = I32((hw >> U(12)) & U(7))
+        return f16_to_f32(row[o], row[o + U(1)])
+    elif kind == 8:  # IQ1_M: per 8, a grid byte, 3 high bits and the delta's sign in a qh nibble
+        for s in range(U(8)):
+            for g in range(U(4)):
+                nib = (U(row[o + U(32) + U(2) * s + (g >> U(1))]) >> (U(4) * (g & U(1)))) & U(15)
+                v8 = GRID_IQ1[U(row[o + U(4) * s + g]) | ((nib & U(7)) << U(8))]
+                _expand8(v, U(32) * s + U(8) * g, v8)
+                neg = np.int8(-1 if nib & U(8) else 1)
+                for k in range(8):
+                    vd[U(32) * s + U(8) * g + U(k)] = neg
+        for h in range(U(16)):
+            sc = U(row[o + U(48) + U(2) * (h >> U(2))]) | (U(row[o + U(49) + U(2) * (h >> U(2))]) << U(8))
+            ls[h] = I32((sc >> (U(3) * (h & U(3)))) & U(7))
+        d16 = U(0)
+        for k in range(U(4)):
+            d16 |= ((U(row[o + U(49) + U(2) * k]) >> U(4)) & U(15)) << (U(4) * k)
+        return f16_to_f32(np.uint8(d16 & U(255)), np.uint8(d16 >> U(8)))
     else:  # TQ2_0: 2-bit codes, byte b of each 32 holds weights b, b + 32, b + 64, b + 96
         for k in range(U(8)):
             base = o + U(32) * (k >> U(2))
@@ -298,9 +339,9 @@ def _corr_lanes(typingctx, v, sc, corr):
 
 
 @njit(inline="always")
-def _decode_block(kind, row, o, v, ls, sc):
+def _decode_block(kind, row, o, v, ls, sc, vd):
     """_decode, plus the per-16 multipliers sc (int16 16: 2 ls + 1, 1 for TQ); returns d."""
-    d = _decode(kind, row, o, v, ls)
+    d = _decode(kind, row, o, v, ls, vd)
     for h in range(16):
         sc[h] = np.int16(I32(2) * ls[h] + I32(1))
     return d
@@ -314,23 +355,30 @@ def _product(kind, raw, xq, xd, xs, out):
     nb = U(xd.size // n_tok)
     size = U(BYTES[kind])
     mult = F32(MULT[kind])
-    tiled = n_tok >= TILED_MIN and kind < 5
+    tiled = n_tok >= TILED_MIN and (kind < 5 or kind >= 7)
     for c in prange((n_rows + 15) // 16):
         v = np.empty(256, np.int8)
+        vd = np.empty(256, np.int8)
         ls = np.empty(16, I32)
         sc = np.empty(16, np.int16)
         corr = np.empty(8, I32)
         iq = np.zeros(8, I32)
+        iq2 = np.zeros(8, I32)
         s4 = np.empty(4, I32)
         acc = np.empty((n_tok, 8), F32)
+        acc2 = np.empty((n_tok, 8), F32)  # IQ1: the delta term (IQ1_S: a scalar in lane 0)
         for r in range(c * 16, min(c * 16 + 16, n_rows)):
             row = raw[r]
             acc[:] = F32(0.0)
+            acc2[:] = F32(0.0)
             for j in range(nb):
-                dw = _decode_block(kind, row, U(j) * size, v, ls, sc)
+                dw = _decode_block(kind, row, U(j) * size, v, ls, sc, vd)
                 d0 = F32(dw * mult)
                 t0 = 0
                 if tiled:  # x is taken as x + 128 (unsigned): corr, the lanes of 128 * the weights
+                    if kind >= 7:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
+                        for k in range(256):
+                            v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
                     _corr_lanes(v, sc, corr)
                     for t in range(0, n_tok - 3, 4):
                         b = U(t) * nb + U(j)
@@ -345,12 +393,29 @@ def _product(kind, raw, xq, xd, xs, out):
                         acc[t, 0] = fma32(d0 * F32(_block_s1(v, sc, xq, b * U(256), corr)), xd[b], acc[t, 0])
                         continue
                     _lanes_block(v, sc, xq, b * U(256), iq)
-                    if kind >= 5:  # codes are weight + 1: less x's sums of 16
+                    if kind == 5 or kind == 6:  # codes are weight + 1: less x's sums of 16
                         for k in range(8):
                             iq[k] -= xs[U(16) * b + U(2 * k)] + xs[U(16) * b + U(2 * k + 1)]
                     _fma_ints(dw * xd[b], iq, acc[t])
+                    if kind >= 7:  # the deltas' lanes (IQ1_M), or their sum (IQ1_S, ggml's scalar)
+                        _lanes_block(vd, sc, xq, b * U(256), iq2)
+                        if kind == 8:
+                            _fma_ints(dw * xd[b], iq2, acc2[t])
+                        else:
+                            s1 = I32(0)
+                            for k in range(8):
+                                s1 += iq2[k]
+                                iq2[k] = I32(0)
+                            acc2[t, 0] = fma32(xd[b] * dw, F32(s1), acc2[t, 0])
             for t in range(n_tok):
-                out[t, r] = acc[t, 0] if tiled else mult * hsum8(acc[t])
+                if tiled:
+                    out[t, r] = acc[t, 0]
+                elif kind == 7:
+                    out[t, r] = hsum8(acc[t]) + F32(0.125) * acc2[t, 0]
+                elif kind == 8:
+                    out[t, r] = hsum8(acc[t]) + F32(0.125) * hsum8(acc2[t])
+                else:
+                    out[t, r] = mult * hsum8(acc[t])
 
 
 @njit(inline="always")
@@ -359,11 +424,17 @@ def _dequantize(kind, raw, out):
     size = U(BYTES[kind])
     for r in prange(raw.shape[0]):
         v = np.empty(256, np.int8)
+        vd = np.empty(256, np.int8)
         ls = np.empty(16, I32)
         row, dst = raw[r], out[r]
         for j in range(U(out.shape[1] // 256)):
-            d = _decode(kind, row, j * size, v, ls)
+            d = _decode(kind, row, j * size, v, ls, vd)
             for h in range(16):
+                if kind >= 7:  # w = (d * (2 ls + 1)) * (grid + delta), delta = +-1/8
+                    dl = d * F32(I32(2) * ls[h] + I32(1))
+                    for k in range(16):
+                        dst[j * U(256) + U(16 * h + k)] = dl * (F32(v[16 * h + k]) + F32(0.125) * F32(vd[16 * h + k]))
+                    continue
                 if kind >= 5:
                     for k in range(16):
                         dst[j * U(256) + U(16 * h + k)] = d * F32(I32(v[16 * h + k]) - I32(1))
@@ -483,6 +554,36 @@ def matvec_tq2_0(raw, xq, xd, xs, xm, out):
     _product(6, raw, xq, xd, xs, out.reshape(1, out.size))
 
 
+@njit(**JIT)
+def dequantize_iq1_s(raw, out, lanes):
+    _dequantize(7, raw, out)
+
+
+@njit(**JIT)
+def dequantize_iq1_m(raw, out, lanes):
+    _dequantize(8, raw, out)
+
+
+@njit(**JIT)
+def matmul_iq1_s(raw, xq, xd, xs, xm, out):
+    _product(7, raw, xq, xd, xs, out)
+
+
+@njit(**JIT)
+def matmul_iq1_m(raw, xq, xd, xs, xm, out):
+    _product(8, raw, xq, xd, xs, out)
+
+
+@njit(**JIT)
+def matvec_iq1_s(raw, xq, xd, xs, xm, out):
+    _product(7, raw, xq, xd, xs, out.reshape(1, out.size))
+
+
+@njit(**JIT)
+def matvec_iq1_m(raw, xq, xd, xs, xm, out):
+    _product(8, raw, xq, xd, xs, out.reshape(1, out.size))
+
+
 KERNELS = {
     GGMLType.IQ2_XXS: (dequantize_iq2_xxs, matvec_iq2_xxs),
     GGMLType.IQ2_XS: (dequantize_iq2_xs, matvec_iq2_xs),
@@ -491,7 +592,9 @@ KERNELS = {
     GGMLType.IQ3_S: (dequantize_iq3_s, matvec_iq3_s),
     GGMLType.TQ1_0: (dequantize_tq1_0, matvec_tq1_0),
     GGMLType.TQ2_0: (dequantize_tq2_0, matvec_tq2_0),
+    GGMLType.IQ1_S: (dequantize_iq1_s, matvec_iq1_s),
+    GGMLType.IQ1_M: (dequantize_iq1_m, matvec_iq1_m),
 }
 MATMUL = {GGMLType.IQ2_XXS: matmul_iq2_xxs, GGMLType.IQ2_XS: matmul_iq2_xs, GGMLType.IQ2_S: matmul_iq2_s,
           GGMLType.IQ3_XXS: matmul_iq3_xxs, GGMLType.IQ3_S: matmul_iq3_s, GGMLType.TQ1_0: matmul_tq1_0,
-          GGMLType.TQ2_0: matmul_tq2_0}
+          GGMLType.TQ2_0: matmul_tq2_0, GGMLType.IQ1_S: matmul_iq1_s, GGMLType.IQ1_M: matmul_iq1_m}

@@ -527,6 +527,64 @@ def rowdot_tq(name: str, raw, xq, xd, xs) -> np.ndarray:
     return hsum8(acc)
 
 
+def iq1_parts(name: str, blk: np.ndarray):
+    """One IQ1_S / IQ1_M super-block of every row -> (d float32 (rows,), grid values -1 / 0 / 1 and
+    delta signs +-1, int64 (rows, 256) each, ls int64 (rows, 16): the 3-bit scale of each 16)."""
+    import gguf.quants as gq
+
+    gq.IQ1_S.init_grid()
+    grid = gq.IQ1_S.grid.reshape(2048, 8).astype(np.int64)
+    n = blk.shape[0]
+    b = blk.astype(np.int64)
+    if name == "IQ1_S":
+        hw = np.ascontiguousarray(blk[:, 34:50]).view(np.uint16).astype(np.int64)  # (n, 8)
+        idx = b[:, 2:34].reshape(n, 8, 4) | (((hw[:, :, None] >> (3 * np.arange(4))) & 7) << 8)
+        neg = np.repeat((hw >> 15) & 1, 32, axis=1)
+        ls = np.repeat((hw >> 12) & 7, 2, axis=1)
+        d = _f16(blk, 0)
+    else:
+        nib = (b[:, 32:48, None] >> np.array([0, 4])) & 15  # (n, 16, 2): per 8 weights
+        nib = nib.reshape(n, 32)
+        idx = b[:, :32] | ((nib & 7) << 8)
+        neg = np.repeat((nib >> 3) & 1, 8, axis=1)
+        sc = np.ascontiguousarray(blk[:, 48:56]).view(np.uint16).astype(np.int64)  # (n, 4)
+        ls = ((sc[:, :, None] >> (3 * np.arange(4))) & 7).reshape(n, 16)
+        h = sum(((sc[:, k] >> 12) & 15) << (4 * k) for k in range(4)).astype(np.uint16)
+        d = h.view(np.float16).astype(F32)
+    return d, grid[idx].reshape(n, 256), np.where(neg == 1, -1, 1), ls
+
+
+def rowdot_iq1(name: str, raw, xq, xd, tiled: bool) -> np.ndarray:
+    """IQ1 rows times one token's "q8_k" x in llama.cpp's two orders:
+    vec_dot (AVX2): lanes of (2 ls + 1) * grid * x as for the grid types, acc = fma(d_w * d_x,
+        f32(lanes), acc); the deltas' part as lanes (IQ1_M, a second 8-lane accumulator) or their
+        integer sum (IQ1_S, a scalar fma); hsum_float_8(acc) + 1/8 * (hsum of) the delta part;
+    tiled (8 tokens or more): codes 8 * grid + delta sign, res = (d_w / 8) * f32(s1),
+        acc = fma(res, d_x, acc)."""
+    n, size = raw.shape[0], {"IQ1_S": 50, "IQ1_M": 56}[name]
+    acc = np.zeros(n, F32) if tiled else np.zeros((n, 8), F32)
+    acc2 = np.zeros((n, 8), F32)
+    for b in range(xd.size):
+        d, g, delta, ls = iq1_parts(name, raw[:, size * b:size * b + size])
+        y = xq[256 * b:256 * b + 256].astype(np.int64)
+        scale = np.repeat(2 * ls + 1, 16, axis=1)
+        if tiled:
+            s1 = ((8 * g + delta) * y * scale).sum(-1)
+            acc = fma(((d * F32(0.125)).astype(F32) * s1.astype(F32)).astype(F32), xd[b], acc)
+            continue
+        dd = (d * xd[b]).astype(F32)[:, None]
+        acc = fma(dd, (g * y * scale).reshape(n, 8, 8, 4).sum(axis=(1, 3)).astype(F32), acc)
+        lanes2 = (delta * y * scale).reshape(n, 8, 8, 4).sum(axis=(1, 3))
+        if name == "IQ1_M":
+            acc2 = fma(dd, lanes2.astype(F32), acc2)
+        else:
+            acc2[:, 0] = fma(dd[:, 0], lanes2.sum(-1).astype(F32), acc2[:, 0])
+    if tiled:
+        return acc
+    part2 = hsum8(acc2) if name == "IQ1_M" else acc2[:, 0]
+    return (hsum8(acc) + (F32(0.125) * part2).astype(F32)).astype(F32)
+
+
 def c_expf():
     """The C library's expf (what Numba's float32 exp calls, and ggml's flash attention)."""
     import ctypes

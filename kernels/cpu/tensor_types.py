@@ -43,6 +43,8 @@ TYPES: dict[T, CPUType] = {r.ggml_type: r for r in (
     CPUType(T.IQ3_S, "igrid", "q8_k"),
     CPUType(T.TQ1_0, "igrid", "q8_k"),
     CPUType(T.TQ2_0, "igrid", "q8_k"),
+    CPUType(T.IQ1_S, "igrid", "q8_k"),
+    CPUType(T.IQ1_M, "igrid", "q8_k"),
 )}
 
 ACT_BLOCK = {"f32": 1, "f16": 1, "bf16": 1, "q8_32": 32, "q8_k": 256}  # values per activation block
