@@ -338,6 +338,121 @@ def _corr_lanes(typingctx, v, sc, corr):
     return sig, codegen
 
 
+# --- one token, IQ3_S and IQ2_XXS: decode and products in one pass (ggml's vec_dot, fused) -------
+KSIGNS8 = KSIGNS.astype(np.uint8)
+
+
+def _c64(v):
+    return ir.Constant(ir.IntType(64), v)
+
+
+def _byte(builder, base, off):
+    return builder.zext(builder.load(builder.gep(base, [off])), ir.IntType(32))
+
+
+def _sign_x(builder, xv, signs32):
+    """x with the sign of each weight applied: bit i of signs32 (i32) negates x[i]."""
+    sb = builder.bitcast(signs32, i8(4))
+    spread = builder.shuffle_vector(sb, sb, ir.Constant(i32(32), [i // 8 for i in range(32)]))
+    neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(i8(32), [1 << (i % 8) for i in range(32)])),
+                                ir.Constant(i8(32), [0] * 32))
+    return builder.select(neg, builder.sub(ir.Constant(i8(32), [0] * 32), xv), xv)
+
+
+def _mag_quads(builder, mag, sx, mul):
+    """<8 x i32>: mul (i32) times the quad sums of mag (unsigned grid magnitudes) * sx."""
+    if AVX2:
+        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [mag, sx])
+        scale = builder.insert_element(ir.Constant(i16(16), ir.Undefined), builder.trunc(mul, ir.IntType(16)),
+                                       ir.Constant(ir.IntType(32), 0))
+        scale = builder.shuffle_vector(scale, scale, ir.Constant(i32(16), [0] * 16))
+        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
+    splat = builder.insert_element(ir.Constant(i32(8), ir.Undefined), mul, ir.Constant(ir.IntType(32), 0))
+    return builder.mul(quad_sums(builder, mag, sx), builder.shuffle_vector(splat, splat, ir.Constant(i32(8), [0] * 8)))
+
+
+@intrinsic
+def _fused_lanes(typingctx, kind, row, o, grid, ksigns, x, x_off, iq):
+    """iq[0:8] (int32) += the vec_dot lanes of the IQ3_S (kind 4) or IQ2_XXS (kind 0) super-block at
+    byte o of row with x at x[x_off:], decoded on the way (the same integers as _lanes_block)."""
+    if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in (0, 4):
+        return None
+    k = kind.literal_value
+    sig = types.none(kind, row, types.uint64, grid, ksigns, x, types.uint64, iq)
+
+    def codegen(context, builder, signature, args):
+        rp = array_ptr(context, builder, signature.args[1], args[1])
+        gp = array_ptr(context, builder, signature.args[3], args[3])
+        kp = array_ptr(context, builder, signature.args[4], args[4])
+        xp = array_ptr(context, builder, signature.args[5], args[5])
+        o = args[2]
+        i32t = ir.IntType(32)
+        acc = None
+        for s in range(8):
+            xv = load_vec(builder, xp, builder.add(args[6], _c64(32 * s)), i8(32))
+            if k == 4:  # IQ3_S: 8 entries of 4 values; index = qs byte | bit m of qh << 8
+                qh = _byte(builder, rp, builder.add(o, _c64(66 + s)))
+                qs = builder.zext(load_vec(builder, rp, builder.add(o, _c64(2 + 8 * s)), i8(8)), i32(8))
+                qhv = builder.insert_element(ir.Constant(i32(8), ir.Undefined), qh, ir.Constant(i32t, 0))
+                qhv = builder.shuffle_vector(qhv, qhv, ir.Constant(i32(8), [0] * 8))
+                hi = builder.and_(builder.shl(qhv, ir.Constant(i32(8), [8 - m for m in range(8)])),
+                                  ir.Constant(i32(8), [256] * 8))
+                idx = builder.or_(qs, hi)
+                g = ir.Constant(i32(8), ir.Undefined)  # 8 loads: a vpgatherdd was not faster on Zen 5
+                for m in range(8):
+                    im = builder.extract_element(idx, ir.Constant(i32t, m))
+                    val = builder.load(builder.gep(gp, [builder.zext(im, ir.IntType(64))]))
+                    g = builder.insert_element(g, val, ir.Constant(i32t, m))
+                mag = builder.bitcast(g, i8(32))
+                sp = builder.bitcast(builder.gep(rp, [builder.add(o, _c64(74 + 4 * s))]), i32t.as_pointer())
+                signs = builder.load(sp, align=1)
+                sc = _byte(builder, rp, builder.add(o, _c64(106 + s // 2)))
+                ls = builder.and_(builder.lshr(sc, ir.Constant(i32t, 4 * (s % 2))), ir.Constant(i32t, 15))
+            else:  # IQ2_XXS: 4 grid bytes, then 4 x 7 sign-index bits and ls in one u32
+                g = ir.Constant(ir.VectorType(ir.IntType(64), 4), ir.Undefined)
+                for m in range(4):
+                    idx = _byte(builder, rp, builder.add(o, _c64(2 + 8 * s + m)))
+                    val = builder.load(builder.gep(gp, [builder.zext(idx, ir.IntType(64))]))
+                    g = builder.insert_element(g, val, ir.Constant(i32t, m))
+                mag = builder.bitcast(g, i8(32))
+                ap = builder.bitcast(builder.gep(rp, [builder.add(o, _c64(6 + 8 * s))]), i32t.as_pointer())
+                aux = builder.load(ap, align=1)
+                signs = ir.Constant(i32t, 0)
+                for m in range(4):
+                    si = builder.and_(builder.lshr(aux, ir.Constant(i32t, 7 * m)), ir.Constant(i32t, 127))
+                    sv = builder.zext(builder.load(builder.gep(kp, [builder.zext(si, ir.IntType(64))])), i32t)
+                    signs = builder.or_(signs, builder.shl(sv, ir.Constant(i32t, 8 * m)))
+                ls = builder.lshr(aux, ir.Constant(i32t, 28))
+            mul = builder.add(builder.shl(ls, ir.Constant(i32t, 1)), ir.Constant(i32t, 1))
+            q = _mag_quads(builder, mag, _sign_x(builder, xv, signs), mul)
+            acc = q if acc is None else builder.add(acc, q)
+        ip = builder.bitcast(array_ptr(context, builder, signature.args[7], args[7]), i32(8).as_pointer())
+        builder.store(builder.add(builder.load(ip, align=4), acc), ip, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _matvec_fused(kind, raw, xq, xd, out, grid):
+    """One token of IQ3_S / IQ2_XXS: ggml's vec_dot order, each block decoded in registers."""
+    n_rows = out.shape[1]
+    nb = U(xd.size)
+    size = U(BYTES[kind])
+    mult = F32(MULT[kind])
+    for c in prange((n_rows + 15) // 16):
+        iq = np.zeros(8, I32)
+        acc = np.empty(8, F32)
+        for r in range(c * 16, min(c * 16 + 16, n_rows)):
+            row = raw[r]
+            acc[:] = F32(0.0)
+            for j in range(nb):
+                o = U(j) * size
+                _fused_lanes(kind, row, o, grid, KSIGNS8, xq, U(j) * U(256), iq)
+                _fma_ints(f16_to_f32(row[o], row[o + U(1)]) * xd[j], iq, acc)
+            out[0, r] = mult * hsum8(acc)
+
+
 @njit(inline="always")
 def _decode_block(kind, row, o, v, ls, sc, vd):
     """_decode, plus the per-16 multipliers sc (int16 16: 2 ls + 1, 1 for TQ); returns d."""
@@ -501,7 +616,7 @@ def matmul_iq3_s(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def matvec_iq2_xxs(raw, xq, xd, xs, xm, out):
-    _product(0, raw, xq, xd, xs, out.reshape(1, out.size))
+    _matvec_fused(0, raw, xq, xd, out.reshape(1, out.size), GRID_IQ2_XXS)
 
 
 @njit(**JIT)
@@ -521,7 +636,7 @@ def matvec_iq3_xxs(raw, xq, xd, xs, xm, out):
 
 @njit(**JIT)
 def matvec_iq3_s(raw, xq, xd, xs, xm, out):
-    _product(4, raw, xq, xd, xs, out.reshape(1, out.size))
+    _matvec_fused(4, raw, xq, xd, out.reshape(1, out.size), GRID_IQ3_S)
 
 
 @njit(**JIT)
