@@ -25,15 +25,18 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants as gq
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
 from edgellm.kernels.cpu.iquants import _fma_ints, hsum8
-from edgellm.kernels.cpu.host import AVX2
+from edgellm.kernels.cpu.host import AVX2, ZMM_VNNI
 from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, i8, i16, i32, llvm_fn, load_vec, quad_sums,
                                              reduce4)
 
 TILED_MIN = 8  # batches from this many tokens on take llama.cpp's tiled order
+# batches multiply int16 weights-times-multipliers with x by vpdpwssd where 512-bit VNNI exists
+W16 = ZMM_VNNI
 
 
 def _grid(cls) -> np.ndarray:
@@ -211,6 +214,10 @@ def _decode(kind, row, o, v, ls, vd):
     return f16_to_f32(row[o + U(D_AT[kind])], row[o + U(D_AT[kind] + 1)])
 
 
+def _c64(v):
+    return ir.Constant(ir.IntType(64), v)
+
+
 def _scaled_quads(builder, xv, w, sc_pair):
     """<8 x i32>: lane j = sc * (sum_{k<4} xb[4j+k] * w[4j+k]) of one 32-weight sub-block, xb = x + 128
     (unsigned), w signed (|w| <= 62, so pmaddubsw's pair sums fit int16), sc the sub-block's two
@@ -315,6 +322,105 @@ def _block_s1x4(typingctx, v, sc, x, x_off, stride, corr, s1):
     return sig, codegen
 
 
+def _w16_sums(builder, wp, xp, offs):
+    """[<16 x i32>] per token: the pair products of the super-block's scaled int16 weights (at wp)
+    and the int8 x at each offset, one vpdpwssd (or portable IR) per 32 weights and token."""
+    i16x32 = ir.VectorType(ir.IntType(16), 32)
+    v16 = ir.VectorType(ir.IntType(32), 16)
+    accs = [ir.Constant(v16, [0] * 16)] * len(offs)
+    for s in range(8):
+        w = load_vec(builder, wp, _c64(32 * s), i16x32)
+        for k, off in enumerate(offs):
+            xv = builder.sext(load_vec(builder, xp, builder.add(off, _c64(32 * s)), i8(32)), i16x32)
+            if ZMM_VNNI:
+                fn = llvm_fn(builder, "llvm.x86.avx512.vpdpwssd.512", v16, [v16] * 3)
+                accs[k] = builder.call(fn, [accs[k], builder.bitcast(w, v16), builder.bitcast(xv, v16)])
+            else:
+                prod = builder.mul(builder.sext(w, i32(32)), builder.sext(xv, i32(32)))
+                pairs = builder.add(builder.shuffle_vector(prod, prod, ir.Constant(i32(16), list(range(0, 32, 2)))),
+                                    builder.shuffle_vector(prod, prod, ir.Constant(i32(16), list(range(1, 32, 2)))))
+                accs[k] = builder.add(accs[k], pairs)
+    return accs
+
+
+@intrinsic
+def _w16_s1x4(typingctx, w16, x, x_off, stride, s1):
+    """s1[0:4] (int32) = the exact scaled sums of the super-block (w16: int16 256, each weight times
+    its multiplier) with the four tokens' x at x_off + k * stride."""
+    sig = types.none(w16, x, types.uint64, types.uint64, s1)
+
+    def codegen(context, builder, signature, args):
+        offs = [args[2]]
+        for _ in range(3):
+            offs.append(builder.add(offs[-1], args[3]))
+        accs = _w16_sums(builder, array_ptr(context, builder, signature.args[0], args[0]),
+                         array_ptr(context, builder, signature.args[1], args[1]), offs)
+        red = llvm_fn(builder, "llvm.vector.reduce.add.v16i32", ir.IntType(32), [ir.VectorType(ir.IntType(32), 16)])
+        out = array_ptr(context, builder, signature.args[4], args[4])
+        for k in range(4):
+            builder.store(builder.call(red, [accs[k]]), builder.gep(out, [_c64(k)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _w16_row4(typingctx, w16, d0, nb, x, x_off, xd, xd_off, out):
+    """out[0:4] (float32) = the tiled product of one row with four tokens: per super-block j,
+    res = d0[j] * f32(s1), acc = fma(res, d_x, acc), j in order. w16: the row's nb decoded blocks
+    (int16, weights times multipliers); token k's x at x_off + k * nb * 256, its d_x at
+    xd[xd_off + k * nb + j]."""
+    sig = types.none(w16, d0, types.uint64, x, types.uint64, xd, types.uint64, out)
+
+    def codegen(context, builder, signature, args):
+        wp = array_ptr(context, builder, signature.args[0], args[0])
+        dp = array_ptr(context, builder, signature.args[1], args[1])
+        xp = array_ptr(context, builder, signature.args[3], args[3])
+        xdp = array_ptr(context, builder, signature.args[5], args[5])
+        nb = args[2]
+        f4 = ir.VectorType(ir.FloatType(), 4)
+        acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(f4, [0.0] * 4))
+        xstride = builder.mul(nb, _c64(256))
+        with cgutils.for_range(builder, nb) as loop:
+            j = loop.index
+            offs = [builder.add(args[4], builder.mul(j, _c64(256)))]
+            for _ in range(3):
+                offs.append(builder.add(offs[-1], xstride))
+            accs = _w16_sums(builder, builder.gep(wp, [builder.mul(j, _c64(256))]), xp, offs)
+            halves = [builder.add(builder.shuffle_vector(a, a, ir.Constant(i32(8), list(range(8)))),
+                                  builder.shuffle_vector(a, a, ir.Constant(i32(8), list(range(8, 16))))) for a in accs]
+            s1 = reduce4(builder, halves)
+            xd4 = ir.Constant(f4, ir.Undefined)
+            for k in range(4):
+                xi = builder.add(builder.add(args[6], j), builder.mul(nb, _c64(k)))
+                xd4 = builder.insert_element(xd4, builder.load(builder.gep(xdp, [xi])), ir.Constant(ir.IntType(32), k))
+            d = builder.load(builder.gep(dp, [j]))
+            dv = builder.insert_element(ir.Constant(f4, ir.Undefined), d, ir.Constant(ir.IntType(32), 0))
+            dv = builder.shuffle_vector(dv, dv, ir.Constant(i32(4), [0] * 4))
+            res = builder.fmul(dv, builder.sitofp(s1, f4))
+            fma = llvm_fn(builder, "llvm.fma.v4f32", f4, [f4, f4, f4])
+            builder.store(builder.call(fma, [res, xd4, builder.load(acc_ptr)]), acc_ptr)
+        op = builder.bitcast(array_ptr(context, builder, signature.args[7], args[7]), f4.as_pointer())
+        builder.store(builder.load(acc_ptr), op, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _w16_s1(typingctx, w16, x, x_off):
+    """int32: _w16_s1x4 for one token."""
+    sig = types.int32(w16, x, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        accs = _w16_sums(builder, array_ptr(context, builder, signature.args[0], args[0]),
+                         array_ptr(context, builder, signature.args[1], args[1]), [args[2]])
+        red = llvm_fn(builder, "llvm.vector.reduce.add.v16i32", ir.IntType(32), [ir.VectorType(ir.IntType(32), 16)])
+        return builder.call(red, [accs[0]])
+
+    return sig, codegen
+
+
 @intrinsic
 def _corr_lanes(typingctx, v, sc, corr):
     """corr[0:8] (int32) = the lanes of the super-block with x = 0, i.e. of 128 * its weights: what
@@ -340,10 +446,6 @@ def _corr_lanes(typingctx, v, sc, corr):
 
 # --- one token, IQ3_S and IQ2_XXS: decode and products in one pass (ggml's vec_dot, fused) -------
 KSIGNS8 = KSIGNS.astype(np.uint8)
-
-
-def _c64(v):
-    return ir.Constant(ir.IntType(64), v)
 
 
 def _byte(builder, base, off):
@@ -463,6 +565,47 @@ def _decode_block(kind, row, o, v, ls, sc, vd):
 
 
 @njit(inline="always")
+def _tiled_w16(kind, raw, xq, xd, out):
+    """The tiled order with 512-bit VNNI: 16 rows decoded at a time into int16 weights times
+    multipliers, then every four tokens over them while their x is in the L1 cache."""
+    n_tok, n_rows = out.shape
+    nb = U(xd.size // n_tok)
+    size = U(BYTES[kind])
+    mult = F32(MULT[kind])
+    for c in prange((n_rows + 15) // 16):
+        r0, r1 = c * 16, min(c * 16 + 16, n_rows)
+        v = np.empty(256, np.int8)
+        vd = np.empty(256, np.int8)
+        ls = np.empty(16, I32)
+        sc = np.empty(16, np.int16)
+        w16 = np.empty((16, nb * U(256)), np.int16)
+        d0 = np.empty((16, nb), F32)
+        o4 = np.empty(4, F32)
+        for r in range(r0, r1):
+            row = raw[r]
+            for j in range(nb):
+                d0[r - r0, j] = F32(_decode_block(kind, row, U(j) * size, v, ls, sc, vd) * mult)
+                if kind >= 7:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
+                    for k in range(256):
+                        v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
+                for k in range(256):
+                    w16[r - r0, U(j) * U(256) + U(k)] = np.int16(I32(v[k]) * I32(sc[k // 16]))
+        for t in range(0, n_tok - 3, 4):
+            for r in range(r0, r1):
+                _w16_row4(w16[r - r0], d0[r - r0], nb, xq, U(t) * nb * U(256), xd, U(t) * nb, o4)
+                for k in range(4):
+                    out[t + k, r] = o4[k]
+        for t in range(n_tok - n_tok % 4, n_tok):
+            for r in range(r0, r1):
+                acc = F32(0.0)
+                for j in range(nb):
+                    b = U(t) * nb + U(j)
+                    s1 = _w16_s1(w16[r - r0, U(j) * U(256):], xq, b * U(256))
+                    acc = fma32(d0[r - r0, j] * F32(s1), xd[b], acc)
+                out[t, r] = acc
+
+
+@njit(inline="always")
 def _product(kind, raw, xq, xd, xs, out):
     """out (n_tok, n_rows) = raw's rows times the tokens' "q8_k" parts, in llama.cpp's order for
     the batch size; rows by chunks of 16, each super-block decoded once for every token."""
@@ -471,11 +614,15 @@ def _product(kind, raw, xq, xd, xs, out):
     size = U(BYTES[kind])
     mult = F32(MULT[kind])
     tiled = n_tok >= TILED_MIN and (kind < 5 or kind >= 7)
+    if tiled and W16:
+        _tiled_w16(kind, raw, xq, xd, out)
+        return
     for c in prange((n_rows + 15) // 16):
         v = np.empty(256, np.int8)
         vd = np.empty(256, np.int8)
         ls = np.empty(16, I32)
         sc = np.empty(16, np.int16)
+        w16 = np.empty(256, np.int16)
         corr = np.empty(8, I32)
         iq = np.zeros(8, I32)
         iq2 = np.zeros(8, I32)
@@ -490,14 +637,21 @@ def _product(kind, raw, xq, xd, xs, out):
                 dw = _decode_block(kind, row, U(j) * size, v, ls, sc, vd)
                 d0 = F32(dw * mult)
                 t0 = 0
-                if tiled:  # x is taken as x + 128 (unsigned): corr, the lanes of 128 * the weights
+                if tiled:
                     if kind >= 7:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
                         for k in range(256):
                             v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
-                    _corr_lanes(v, sc, corr)
+                    if W16:  # the weights times their multipliers, as int16
+                        for k in range(256):
+                            w16[k] = np.int16(I32(v[k]) * I32(sc[k // 16]))
+                    else:  # x is taken as x + 128 (unsigned): corr, the lanes of 128 * the weights
+                        _corr_lanes(v, sc, corr)
                     for t in range(0, n_tok - 3, 4):
                         b = U(t) * nb + U(j)
-                        _block_s1x4(v, sc, xq, b * U(256), nb * U(256), corr, s4)
+                        if W16:
+                            _w16_s1x4(w16, xq, b * U(256), nb * U(256), s4)
+                        else:
+                            _block_s1x4(v, sc, xq, b * U(256), nb * U(256), corr, s4)
                         for k in range(4):
                             bk = b + U(k) * nb
                             acc[t + k, 0] = fma32(d0 * F32(s4[k]), xd[bk], acc[t + k, 0])
@@ -505,7 +659,8 @@ def _product(kind, raw, xq, xd, xs, out):
                 for t in range(t0, n_tok):
                     b = U(t) * nb + U(j)
                     if tiled:
-                        acc[t, 0] = fma32(d0 * F32(_block_s1(v, sc, xq, b * U(256), corr)), xd[b], acc[t, 0])
+                        s1 = _w16_s1(w16, xq, b * U(256)) if W16 else _block_s1(v, sc, xq, b * U(256), corr)
+                        acc[t, 0] = fma32(d0 * F32(s1), xd[b], acc[t, 0])
                         continue
                     _lanes_block(v, sc, xq, b * U(256), iq)
                     if kind == 5 or kind == 6:  # codes are weight + 1: less x's sums of 16
