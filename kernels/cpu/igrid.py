@@ -28,9 +28,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
-from edgellm.kernels.cpu.iquants import _fma_ints, hsum8
+from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, njit, prange
 from edgellm.kernels.cpu.host import AVX2, ZMM_VNNI
+from edgellm.kernels.cpu.iquants import KVALUES, _fma_ints, _xs_scale, hsum8
 from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, i8, i16, i32, llvm_fn, load_vec, quad_sums,
                                              reduce4)
 
@@ -51,10 +51,11 @@ GRID_IQ3_XXS, GRID_IQ3_S = _grid(gq.IQ3_XXS), _grid(gq.IQ3_S)
 GRID_IQ1 = _grid(gq.IQ1_S)  # values -1, 0, 1 (IQ1_S and IQ1_M)
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).astype(np.uint64)  # 7 sign bits -> 8 (an even count)
 
-# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 TQ1_0, 6 TQ2_0, 7 IQ1_S, 8 IQ1_M
-BYTES = (66, 74, 82, 98, 110, 54, 66, 50, 56)
-MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0, 0.125, 0.125)
-D_AT = (0, 0, 0, 0, 0, 52, 64, 0, 0)  # byte offset of d in the block (IQ1_M: spread over its scales)
+# kind: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 TQ1_0, 6 TQ2_0, 7 IQ1_S, 8 IQ1_M,
+# 9 IQ4_XS (its batches of 8+ tokens only: iquants.matmul_iq4_xs)
+BYTES = (66, 74, 82, 98, 110, 54, 66, 50, 56, 136)
+MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0, 0.125, 0.125, 1.0)
+D_AT = (0, 0, 0, 0, 0, 52, 64, 0, 0, 0)  # byte offset of d in the block (IQ1_M: spread over its scales)
 POW3 = np.array([1, 3, 9, 27, 81], np.uint64)  # TQ1_0 packs 5 (4 in qh) base-3 digits per byte
 
 
@@ -175,6 +176,15 @@ def _decode(kind, row, o, v, ls, vd):
             for m in range(4):
                 v[U(240 + 4 * n + m)] = np.int8((((U(row[o + U(48 + m)]) * POW3[n]) & U(255)) * U(3)) >> U(8))
         ls[:] = I32(0)
+    elif kind == 9:  # IQ4_XS: codes through the 16-value table; ls holds the multiplier ls - 32
+        for s in range(U(8)):
+            q = o + U(8) + U(16) * s
+            for k in range(16):
+                c = row[q + U(k)]
+                v[U(32) * s + U(k)] = np.int8(KVALUES[c & U(15)])
+                v[U(32) * s + U(16 + k)] = np.int8(KVALUES[c >> U(4)])
+            ls[U(2) * s] = ls[U(2) * s + U(1)] = _xs_scale(row, o, s)
+        return f16_to_f32(row[o], row[o + U(1)])
     elif kind == 7:  # IQ1_S: per 32, 4 grid bytes + 3 high bits each, ls and the delta's sign in qh
         for s in range(U(8)):
             hw = U(row[o + U(34) + U(2) * s]) | (U(row[o + U(35) + U(2) * s]) << U(8))
@@ -560,7 +570,7 @@ def _decode_block(kind, row, o, v, ls, sc, vd):
     """_decode, plus the per-16 multipliers sc (int16 16: 2 ls + 1, 1 for TQ); returns d."""
     d = _decode(kind, row, o, v, ls, vd)
     for h in range(16):
-        sc[h] = np.int16(I32(2) * ls[h] + I32(1))
+        sc[h] = np.int16(ls[h] if kind == 9 else I32(2) * ls[h] + I32(1))
     return d
 
 
@@ -585,7 +595,7 @@ def _tiled_w16(kind, raw, xq, xd, out):
             row = raw[r]
             for j in range(nb):
                 d0[r - r0, j] = F32(_decode_block(kind, row, U(j) * size, v, ls, sc, vd) * mult)
-                if kind >= 7:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
+                if kind == 7 or kind == 8:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
                     for k in range(256):
                         v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
                 for k in range(256):
@@ -613,7 +623,7 @@ def _product(kind, raw, xq, xd, xs, out):
     nb = U(xd.size // n_tok)
     size = U(BYTES[kind])
     mult = F32(MULT[kind])
-    tiled = n_tok >= TILED_MIN and (kind < 5 or kind >= 7)
+    tiled = n_tok >= TILED_MIN and (kind < 5 or kind == 7 or kind == 8)
     if tiled and W16:
         _tiled_w16(kind, raw, xq, xd, out)
         return
@@ -638,7 +648,7 @@ def _product(kind, raw, xq, xd, xs, out):
                 d0 = F32(dw * mult)
                 t0 = 0
                 if tiled:
-                    if kind >= 7:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
+                    if kind == 7 or kind == 8:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
                         for k in range(256):
                             v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
                     if W16:  # the weights times their multipliers, as int16
@@ -667,7 +677,7 @@ def _product(kind, raw, xq, xd, xs, out):
                         for k in range(8):
                             iq[k] -= xs[U(16) * b + U(2 * k)] + xs[U(16) * b + U(2 * k + 1)]
                     _fma_ints(dw * xd[b], iq, acc[t])
-                    if kind >= 7:  # the deltas' lanes (IQ1_M), or their sum (IQ1_S, ggml's scalar)
+                    if kind == 7 or kind == 8:  # the deltas' lanes (IQ1_M), or their sum (IQ1_S, ggml's scalar)
                         _lanes_block(vd, sc, xq, b * U(256), iq2)
                         if kind == 8:
                             _fma_ints(dw * xd[b], iq2, acc2[t])
@@ -700,7 +710,7 @@ def _dequantize(kind, raw, out):
         for j in range(U(out.shape[1] // 256)):
             d = _decode(kind, row, j * size, v, ls, vd)
             for h in range(16):
-                if kind >= 7:  # w = (d * (2 ls + 1)) * (grid + delta), delta = +-1/8
+                if kind == 7 or kind == 8:  # w = (d * (2 ls + 1)) * (grid + delta), delta = +-1/8
                     dl = d * F32(I32(2) * ls[h] + I32(1))
                     for k in range(16):
                         dst[j * U(256) + U(16 * h + k)] = dl * (F32(v[16 * h + k]) + F32(0.125) * F32(vd[16 * h + k]))

@@ -458,6 +458,9 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
     n_tok, n_rows = out.shape
     nb = U(xd.size // n_tok)
     tiled = n_tok >= TILED_MIN
+    if tiled and _igrid.W16:  # int16 weights times ls - 32 by vpdpwssd, as the grid types
+        _igrid._tiled_w16(9, raw, xq, xd, out)
+        return
     n4 = n_tok - n_tok % 4 if tiled else 0
     for c in prange((n_rows + 15) // 16):
         acc, iq = np.empty(8, F32), np.zeros(8, I32)
@@ -473,6 +476,9 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
                 else:
                     out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb, acc, iq)
 
+
+# after this module's names are defined: igrid imports some of them
+from edgellm.kernels.cpu import igrid as _igrid
 
 KERNELS = {
     GGMLType.IQ4_NL: (dequantize_iq4_nl, matvec_iq4_nl),
