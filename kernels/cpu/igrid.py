@@ -15,8 +15,11 @@ of 16 of x at lane j's position (bsums 2j, 2j + 1), then the same fma and hsum_f
 IQ1_S / IQ1_M: the vec_dot lanes of the grid values (-1 / 0 / 1), plus the deltas' lanes (IQ1_M, a
 second accumulator) or their integer sum (IQ1_S, a scalar fma); hsum + 1/8 * the delta part. Their
 tiled order takes the codes 8 * grid + delta sign with d / 8.
-A block is decoded once per row and used for every token of a batch. Dequantize follows
-gguf.quants operation for operation: bit-exact.
+A block is decoded once per row and used for every token of a batch: with 512-bit VNNI, 16 rows
+at a time into int16 weights times multipliers, four tokens per row call (vpdpwssd); elsewhere
+x + 128 (unsigned) against the signed weights, less the lanes of 128 * the weights. One token of
+IQ3_S / IQ2_XXS decodes in registers (_fused_lanes). Dequantize follows gguf.quants operation for
+operation: bit-exact.
 """
 from __future__ import annotations
 
@@ -354,27 +357,6 @@ def _w16_sums(builder, wp, xp, offs):
 
 
 @intrinsic
-def _w16_s1x4(typingctx, w16, x, x_off, stride, s1):
-    """s1[0:4] (int32) = the exact scaled sums of the super-block (w16: int16 256, each weight times
-    its multiplier) with the four tokens' x at x_off + k * stride."""
-    sig = types.none(w16, x, types.uint64, types.uint64, s1)
-
-    def codegen(context, builder, signature, args):
-        offs = [args[2]]
-        for _ in range(3):
-            offs.append(builder.add(offs[-1], args[3]))
-        accs = _w16_sums(builder, array_ptr(context, builder, signature.args[0], args[0]),
-                         array_ptr(context, builder, signature.args[1], args[1]), offs)
-        red = llvm_fn(builder, "llvm.vector.reduce.add.v16i32", ir.IntType(32), [ir.VectorType(ir.IntType(32), 16)])
-        out = array_ptr(context, builder, signature.args[4], args[4])
-        for k in range(4):
-            builder.store(builder.call(red, [accs[k]]), builder.gep(out, [_c64(k)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def _w16_row4(typingctx, w16, d0, nb, x, x_off, xd, xd_off, out):
     """out[0:4] (float32) = the tiled product of one row with four tokens: per super-block j,
     res = d0[j] * f32(s1), acc = fma(res, d_x, acc), j in order. w16: the row's nb decoded blocks
@@ -419,7 +401,8 @@ def _w16_row4(typingctx, w16, d0, nb, x, x_off, xd, xd_off, out):
 
 @intrinsic
 def _w16_s1(typingctx, w16, x, x_off):
-    """int32: _w16_s1x4 for one token."""
+    """int32: the exact scaled sum of one super-block (w16: int16 256, each weight times its
+    multiplier) with one token's x at x_off."""
     sig = types.int32(w16, x, types.uint64)
 
     def codegen(context, builder, signature, args):
@@ -632,7 +615,6 @@ def _product(kind, raw, xq, xd, xs, out):
         vd = np.empty(256, np.int8)
         ls = np.empty(16, I32)
         sc = np.empty(16, np.int16)
-        w16 = np.empty(256, np.int16)
         corr = np.empty(8, I32)
         iq = np.zeros(8, I32)
         iq2 = np.zeros(8, I32)
@@ -651,17 +633,10 @@ def _product(kind, raw, xq, xd, xs, out):
                     if kind == 7 or kind == 8:  # llama.cpp's tiled IQ1 codes: 8 * grid + delta sign, d / 8
                         for k in range(256):
                             v[k] = np.int8(I32(8) * I32(v[k]) + I32(vd[k]))
-                    if W16:  # the weights times their multipliers, as int16
-                        for k in range(256):
-                            w16[k] = np.int16(I32(v[k]) * I32(sc[k // 16]))
-                    else:  # x is taken as x + 128 (unsigned): corr, the lanes of 128 * the weights
-                        _corr_lanes(v, sc, corr)
+                    _corr_lanes(v, sc, corr)  # x is taken as x + 128 (unsigned): the lanes of 128 * w
                     for t in range(0, n_tok - 3, 4):
                         b = U(t) * nb + U(j)
-                        if W16:
-                            _w16_s1x4(w16, xq, b * U(256), nb * U(256), s4)
-                        else:
-                            _block_s1x4(v, sc, xq, b * U(256), nb * U(256), corr, s4)
+                        _block_s1x4(v, sc, xq, b * U(256), nb * U(256), corr, s4)
                         for k in range(4):
                             bk = b + U(k) * nb
                             acc[t + k, 0] = fma32(d0 * F32(s4[k]), xd[bk], acc[t + k, 0])
@@ -669,7 +644,7 @@ def _product(kind, raw, xq, xd, xs, out):
                 for t in range(t0, n_tok):
                     b = U(t) * nb + U(j)
                     if tiled:
-                        s1 = _w16_s1(w16, xq, b * U(256)) if W16 else _block_s1(v, sc, xq, b * U(256), corr)
+                        s1 = _block_s1(v, sc, xq, b * U(256), corr)
                         acc[t, 0] = fma32(d0 * F32(s1), xd[b], acc[t, 0])
                         continue
                     _lanes_block(v, sc, xq, b * U(256), iq)
