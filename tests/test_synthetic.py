@@ -11,9 +11,10 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf.quants import dequantize
 
 from edgellm.gguf_file import GGUFFile
-from edgellm.quants import QUANT_TYPES
+from edgellm.errors import InvalidArgumentError
 from edgellm.synthetic import (
     CHATML_TEMPLATE,
+    FILE_TYPES,
     MERGES,
     bytes_to_unicode,
     quantize,
@@ -77,7 +78,7 @@ def test_k_encoder_keeps_block_order():
 
 
 # ------------------------------------------------------------------------------------ files
-@pytest.mark.parametrize("ggml_type", list(QUANT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(FILE_TYPES), ids=lambda t: t.name)
 def test_llama_every_type_round_trips(tmp_path, ggml_type):
     path = write_synthetic_gguf(tmp_path / "m.gguf", arch="llama", ggml_type=ggml_type, **SMALL)
     f = GGUFFile(path)
@@ -92,6 +93,15 @@ def test_llama_every_type_round_trips(tmp_path, ggml_type):
     assert abs(w.std() * np.sqrt(256) - 1.0) < 0.15, w.std()
     norm = f.tensors["blk.0.attn_norm.weight"].as_float32()
     assert abs(norm.mean() - 1.0) < 0.05
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.IQ2_XXS, GGMLType.IQ1_M, GGMLType.TQ1_0], ids=lambda t: t.name)
+def test_types_without_an_encoder_are_refused_by_name(tmp_path, ggml_type):
+    """The grid and ternary types need llama.cpp's search to encode (their test files come from
+    llama-quantize); asking the writer for one names the type and what it can write, and writes nothing."""
+    with pytest.raises(InvalidArgumentError, match=rf"{ggml_type.name} is not supported.*Q4_K.*IQ4_XS"):
+        write_synthetic_gguf(tmp_path / "m.gguf", arch="llama", ggml_type=ggml_type, **SMALL)
+    assert not (tmp_path / "m.gguf").exists()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
