@@ -2,6 +2,7 @@
 ggml's activation conversions (bit-exact), and ggml's products evaluated exactly in float64."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -291,6 +292,26 @@ def test_numba_cache_dir_follows_the_user_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cpu.numba_cache_dir().parent == tmp_path / "edgellm" / "numba"
     assert len(cpu.numba_cache_dir().name) == 16  # one folder per version of the kernel sources
+
+
+def test_compiled_kernels_are_filed_by_their_folder_inside_the_package(tmp_path):
+    """The disk cache names a kernel's folder by where its source sits inside edgellm, not by the
+    checkout's absolute path (Numba's default), so another clone or venv of the same sources loads
+    what this one compiled; functions of other packages keep Numba's own locator."""
+    code = (
+        "import numpy as np; from edgellm.kernels.cpu import legacy; from edgellm.kernels.cpu.jit import _inside_package\n"
+        "raw = np.zeros((1, 18), np.uint8); out = np.ones((1, 32), np.float32)\n"
+        "legacy.dequantize_q4_0(raw, out, 16); assert (out == 0).all()\n"
+        "assert _inside_package(np.__file__) is None\n"
+        "print(type(legacy.dequantize_q4_0._cache._impl.locator).__name__)"
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CACHE_LOCATOR_CLASSES", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "PackageCacheLocator"
+    filed = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("legacy.dequantize_q4_0-*"))
+    assert filed and all(f.startswith("kernels/cpu/legacy.dequantize_q4_0-") for f in filed), filed
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -123,11 +123,57 @@ def use_cache_dir() -> None:
     """Point Numba's on-disk cache at numba_cache_dir() (unless NUMBA_CACHE_DIR is set). A module
     outside this package with `cache=True` functions calls it before defining them: Numba picks a
     function's cache folder when it is decorated (else: the package's __pycache__)."""
+    import numba  # already imported by someone else: its config read the env too early
+
     if "NUMBA_CACHE_DIR" not in os.environ:
         os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
-        import numba  # already imported by someone else: its config read the env too early
-
         numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+    # Numba's own locator names a function's folder by its source's absolute directory; ours names
+    # it by the directory inside edgellm, so another checkout or venv of the same sources loads them.
+    if hasattr(numba.config, "CACHE_LOCATOR_CLASSES") and not os.environ.get("NUMBA_CACHE_LOCATOR_CLASSES"):
+        from numba.core import caching
+
+        numbas = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator",
+                  "IPythonCacheLocator", "ZipCacheLocator")  # Numba's default order
+        chain = [f"{__name__}.PackageCacheLocator"] + [n for n in numbas if hasattr(caching, n)]
+        os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = numba.config.CACHE_LOCATOR_CLASSES = ",".join(chain)
+
+
+def _package_roots() -> dict[str, Path]:
+    import edgellm
+
+    return {"edgellm": Path(edgellm.__file__).resolve().parent, "kernels": Path(__file__).resolve().parents[1]}
+
+
+def __getattr__(name: str):
+    if name == "PackageCacheLocator":  # defined on first use: it subclasses a Numba class
+        global PackageCacheLocator
+        import numba
+        from numba.core.caching import UserProvidedCacheLocator
+
+        class PackageCacheLocator(UserProvidedCacheLocator):
+            """The user-provided cache folder / the source's directory inside edgellm (numba_cache_dir
+            is keyed by the sources already; Numba's stamp is a hash of the file's content)."""
+
+            def __init__(self, py_func, py_file):
+                super().__init__(py_func, py_file)
+                self._cache_path = os.path.join(numba.config.CACHE_DIR, _inside_package(py_file))
+
+            @classmethod
+            def from_function(cls, py_func, py_file):
+                return super().from_function(py_func, py_file) if _inside_package(py_file) else None
+
+        return PackageCacheLocator
+    raise AttributeError(name)
+
+
+def _inside_package(py_file: str) -> str | None:
+    """`kernels/cpu`, `edgellm/quality`...: the folder of an edgellm source; None for other files."""
+    folder = Path(py_file).resolve().parent
+    for name, root in _package_roots().items():
+        if folder == root or root in folder.parents:
+            return "/".join((name, *folder.relative_to(root).parts))
+    return None
 
 
 def loaded_kernels() -> int:
