@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as GGMLType
 from gguf.quants import dequantize
 
-from edgellm.gguf_file import GGUFFile
 from edgellm.errors import InvalidArgumentError
+from edgellm.gguf_file import GGUFFile
 from edgellm.synthetic import (
     CHATML_TEMPLATE,
     FILE_TYPES,
