@@ -28,8 +28,8 @@ from gguf import GGMLQuantizationType as GGMLType
 from gguf import quants as gq
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core import cgutils, errors
+from numba.extending import intrinsic, overload
 
 from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, njit, prange
 from edgellm.kernels.cpu.host import AVX2, ZMM_VNNI
@@ -58,7 +58,6 @@ KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, np.uint8).astype(np.uint64)  # 7 sign 
 # 9 IQ4_XS (its batches of 8+ tokens only: iquants.matmul_iq4_xs)
 BYTES = (66, 74, 82, 98, 110, 54, 66, 50, 56, 136)
 MULT = (0.125, 0.125, 0.125, 0.25, 1.0, 1.0, 1.0, 0.125, 0.125, 1.0)
-D_AT = (0, 0, 0, 0, 0, 52, 64, 0, 0, 0)  # byte offset of d in the block (IQ1_M: spread over its scales)
 POW3 = np.array([1, 3, 9, 27, 81], np.uint64)  # TQ1_0 packs 5 (4 in qh) base-3 digits per byte
 
 
@@ -101,130 +100,202 @@ def _expand8(v, at, g):
 
 
 @njit(inline="always")
+def _u16(row, o):
+    return U(row[o]) | (U(row[o + U(1)]) << U(8))
+
+
+@njit(inline="always")
 def _pair(g, a, b):
     """Two 4-value grid entries as one uint64 (a's values first)."""
     return U(g[a]) | (U(g[b]) << U(32))
 
 
 @njit(inline="always")
+def _decode_iq2_xxs(row, o, v, ls, vd):
+    """IQ2_XXS: per 32, u32 of 4 grid bytes, u32 of 4 x 7 sign bits and ls."""
+    for s in range(U(8)):
+        q = o + U(2) + U(8) * s
+        aux = _u32(row, q + U(4))
+        signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
+                 | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
+        _expand32(v, U(32) * s, GRID_IQ2_XXS[row[q]], GRID_IQ2_XXS[row[q + U(1)]],
+                  GRID_IQ2_XXS[row[q + U(2)]], GRID_IQ2_XXS[row[q + U(3)]], signs)
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_iq2_xs(row, o, v, ls, vd):
+    """IQ2_XS: u16 of 9-bit grid index and 7 sign bits; ls per 16."""
+    for s in range(U(8)):
+        q = o + U(2) + U(8) * s
+        w0 = U(row[q]) | (U(row[q + U(1)]) << U(8))
+        w1 = U(row[q + U(2)]) | (U(row[q + U(3)]) << U(8))
+        w2 = U(row[q + U(4)]) | (U(row[q + U(5)]) << U(8))
+        w3 = U(row[q + U(6)]) | (U(row[q + U(7)]) << U(8))
+        signs = (KSIGNS[w0 >> U(9)] | (KSIGNS[w1 >> U(9)] << U(8)) | (KSIGNS[w2 >> U(9)] << U(16))
+                 | (KSIGNS[w3 >> U(9)] << U(24)))
+        _expand32(v, U(32) * s, GRID_IQ2_XS[w0 & U(511)], GRID_IQ2_XS[w1 & U(511)],
+                  GRID_IQ2_XS[w2 & U(511)], GRID_IQ2_XS[w3 & U(511)], signs)
+        sc = I32(row[o + U(66) + s])
+        ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_iq2_s(row, o, v, ls, vd):
+    """IQ2_S: grid byte + 2 high bits from qh, a sign byte per 8; ls per 16."""
+    for s in range(U(8)):
+        qh = U(row[o + U(66) + s])
+        q = o + U(2) + U(4) * s
+        _expand32(v, U(32) * s, GRID_IQ2_S[U(row[q]) | ((qh & U(3)) << U(8))],
+                  GRID_IQ2_S[U(row[q + U(1)]) | (((qh >> U(2)) & U(3)) << U(8))],
+                  GRID_IQ2_S[U(row[q + U(2)]) | (((qh >> U(4)) & U(3)) << U(8))],
+                  GRID_IQ2_S[U(row[q + U(3)]) | ((qh >> U(6)) << U(8))], _u32(row, o + U(34) + U(4) * s))
+        sc = I32(row[o + U(74) + s])
+        ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_iq3_xxs(row, o, v, ls, vd):
+    """IQ3_XXS: 8 grid bytes per 32, a u32 of 4 x 7 sign bits and ls."""
+    for s in range(U(8)):
+        aux = _u32(row, o + U(66) + U(4) * s)
+        signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
+                 | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
+        q = o + U(2) + U(8) * s
+        g = GRID_IQ3_XXS
+        _expand32(v, U(32) * s, _pair(g, row[q], row[q + U(1)]), _pair(g, row[q + U(2)], row[q + U(3)]),
+                  _pair(g, row[q + U(4)], row[q + U(5)]), _pair(g, row[q + U(6)], row[q + U(7)]), signs)
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_iq3_s(row, o, v, ls, vd):
+    """IQ3_S: grid byte + 1 high bit from qh, a sign byte per 8; ls per 32."""
+    for s in range(U(8)):
+        qh = U(row[o + U(66) + s])
+        q = o + U(2) + U(8) * s
+        g = GRID_IQ3_S
+        _expand32(v, U(32) * s,
+                  _pair(g, U(row[q]) | ((qh & U(1)) << U(8)), U(row[q + U(1)]) | (((qh >> U(1)) & U(1)) << U(8))),
+                  _pair(g, U(row[q + U(2)]) | (((qh >> U(2)) & U(1)) << U(8)),
+                        U(row[q + U(3)]) | (((qh >> U(3)) & U(1)) << U(8))),
+                  _pair(g, U(row[q + U(4)]) | (((qh >> U(4)) & U(1)) << U(8)),
+                        U(row[q + U(5)]) | (((qh >> U(5)) & U(1)) << U(8))),
+                  _pair(g, U(row[q + U(6)]) | (((qh >> U(6)) & U(1)) << U(8)), U(row[q + U(7)]) | ((qh >> U(7)) << U(8))),
+                  _u32(row, o + U(74) + U(4) * s))
+        sc = I32(row[o + U(106) + s // U(2)])
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = (sc >> I32(U(4) * (s & U(1)))) & I32(15)
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_tq1_0(row, o, v, ls, vd):
+    """TQ1_0: digit n of byte q is (u8(q * 3^n) * 3) >> 8 (ggml's order of weights)."""
+    for n in range(5):
+        p = POW3[n]
+        for m in range(32):
+            v[U(32 * n + m)] = np.int8((((U(row[o + U(m)]) * p) & U(255)) * U(3)) >> U(8))
+        for m in range(16):
+            v[U(160 + 16 * n + m)] = np.int8((((U(row[o + U(32 + m)]) * p) & U(255)) * U(3)) >> U(8))
+    for n in range(4):
+        for m in range(4):
+            v[U(240 + 4 * n + m)] = np.int8((((U(row[o + U(48 + m)]) * POW3[n]) & U(255)) * U(3)) >> U(8))
+    ls[:] = I32(0)
+    return _u16(row, o + U(52))
+
+
+@njit(inline="always")
+def _decode_tq2_0(row, o, v, ls, vd):
+    """TQ2_0: 2-bit codes, byte b of each 32 holds weights b, b + 32, b + 64, b + 96."""
+    for k in range(U(8)):
+        base = o + U(32) * (k >> U(2))
+        sh = U(2) * (k & U(3))
+        for b in range(U(32)):
+            v[U(32) * k + b] = np.int8((U(row[base + b]) >> sh) & U(3))
+    ls[:] = I32(0)
+    return _u16(row, o + U(64))
+
+
+@njit(inline="always")
+def _decode_iq1_s(row, o, v, ls, vd):
+    """IQ1_S: per 32, 4 grid bytes + 3 high bits each, ls and the delta's sign in qh."""
+    for s in range(U(8)):
+        hw = U(row[o + U(34) + U(2) * s]) | (U(row[o + U(35) + U(2) * s]) << U(8))
+        q = o + U(2) + U(4) * s
+        _expand32(v, U(32) * s, GRID_IQ1[U(row[q]) | ((hw & U(7)) << U(8))],
+                  GRID_IQ1[U(row[q + U(1)]) | (((hw >> U(3)) & U(7)) << U(8))],
+                  GRID_IQ1[U(row[q + U(2)]) | (((hw >> U(6)) & U(7)) << U(8))],
+                  GRID_IQ1[U(row[q + U(3)]) | (((hw >> U(9)) & U(7)) << U(8))], U(0))
+        neg = np.int8(I32(1) - I32(2) * I32(hw >> U(15)))  # branch-free: see _decode's overload
+        for k in range(32):
+            vd[U(32) * s + U(k)] = neg
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = I32((hw >> U(12)) & U(7))
+    return _u16(row, o)
+
+
+@njit(inline="always")
+def _decode_iq1_m(row, o, v, ls, vd):
+    """IQ1_M: per 8, a grid byte, 3 high bits and the delta's sign in a qh nibble."""
+    for s in range(U(8)):
+        for g in range(U(4)):
+            nib = (U(row[o + U(32) + U(2) * s + (g >> U(1))]) >> (U(4) * (g & U(1)))) & U(15)
+            v8 = GRID_IQ1[U(row[o + U(4) * s + g]) | ((nib & U(7)) << U(8))]
+            _expand8(v, U(32) * s + U(8) * g, v8)
+            neg = np.int8(I32(1) - I32(2) * I32(nib >> U(3)))
+            for k in range(8):
+                vd[U(32) * s + U(8) * g + U(k)] = neg
+    for h in range(U(16)):
+        sc = U(row[o + U(48) + U(2) * (h >> U(2))]) | (U(row[o + U(49) + U(2) * (h >> U(2))]) << U(8))
+        ls[h] = I32((sc >> (U(3) * (h & U(3)))) & U(7))
+    return ((U(row[o + U(49)]) >> U(4)) | ((U(row[o + U(51)]) >> U(4)) << U(4))
+            | ((U(row[o + U(53)]) >> U(4)) << U(8)) | ((U(row[o + U(55)]) >> U(4)) << U(12)))
+
+
+@njit(inline="always")
+def _decode_iq4_xs(row, o, v, ls, vd):
+    """IQ4_XS: codes through the 16-value table; ls holds the multiplier ls - 32."""
+    for s in range(U(8)):
+        q = o + U(8) + U(16) * s
+        for k in range(16):
+            c = row[q + U(k)]
+            v[U(32) * s + U(k)] = np.int8(KVALUES[c & U(15)])
+            v[U(32) * s + U(16 + k)] = np.int8(KVALUES[c >> U(4)])
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = _xs_scale(row, o, s)
+    return _u16(row, o)
+
+
+# one decoder per kind, chosen while typing: a kernel compiles only its own type's decoder
+_DECODERS = (_decode_iq2_xxs, _decode_iq2_xs, _decode_iq2_s, _decode_iq3_xxs, _decode_iq3_s, _decode_tq1_0,
+             _decode_tq2_0, _decode_iq1_s, _decode_iq1_m, _decode_iq4_xs)
+
+
 def _decode(kind, row, o, v, ls, vd):
     """The super-block at byte o: values into v (int8 256), the scales into ls (int32 16, one per 16
     weights; the multiplier is 2 ls + 1); for IQ1, the grid values -1 / 0 / 1 into v and the sign of
-    each weight's delta (+-1) into vd; returns d (float32)."""
-    if kind == 0:  # IQ2_XXS: per 32, u32 of 4 grid bytes, u32 of 4 x 7 sign bits and ls
-        for s in range(U(8)):
-            q = o + U(2) + U(8) * s
-            aux = _u32(row, q + U(4))
-            signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
-                     | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
-            _expand32(v, U(32) * s, GRID_IQ2_XXS[row[q]], GRID_IQ2_XXS[row[q + U(1)]],
-                      GRID_IQ2_XXS[row[q + U(2)]], GRID_IQ2_XXS[row[q + U(3)]], signs)
-            ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
-    elif kind == 1:  # IQ2_XS: u16 of 9-bit grid index and 7 sign bits; ls per 16
-        for s in range(U(8)):
-            q = o + U(2) + U(8) * s
-            w0 = U(row[q]) | (U(row[q + U(1)]) << U(8))
-            w1 = U(row[q + U(2)]) | (U(row[q + U(3)]) << U(8))
-            w2 = U(row[q + U(4)]) | (U(row[q + U(5)]) << U(8))
-            w3 = U(row[q + U(6)]) | (U(row[q + U(7)]) << U(8))
-            signs = (KSIGNS[w0 >> U(9)] | (KSIGNS[w1 >> U(9)] << U(8)) | (KSIGNS[w2 >> U(9)] << U(16))
-                     | (KSIGNS[w3 >> U(9)] << U(24)))
-            _expand32(v, U(32) * s, GRID_IQ2_XS[w0 & U(511)], GRID_IQ2_XS[w1 & U(511)],
-                      GRID_IQ2_XS[w2 & U(511)], GRID_IQ2_XS[w3 & U(511)], signs)
-            sc = I32(row[o + U(66) + s])
-            ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
-    elif kind == 2:  # IQ2_S: grid byte + 2 high bits from qh, a sign byte per 8; ls per 16
-        for s in range(U(8)):
-            qh = U(row[o + U(66) + s])
-            q = o + U(2) + U(4) * s
-            _expand32(v, U(32) * s, GRID_IQ2_S[U(row[q]) | ((qh & U(3)) << U(8))],
-                      GRID_IQ2_S[U(row[q + U(1)]) | (((qh >> U(2)) & U(3)) << U(8))],
-                      GRID_IQ2_S[U(row[q + U(2)]) | (((qh >> U(4)) & U(3)) << U(8))],
-                      GRID_IQ2_S[U(row[q + U(3)]) | ((qh >> U(6)) << U(8))], _u32(row, o + U(34) + U(4) * s))
-            sc = I32(row[o + U(74) + s])
-            ls[U(2) * s], ls[U(2) * s + U(1)] = sc & I32(15), sc >> I32(4)
-    elif kind == 3:  # IQ3_XXS: 8 grid bytes per 32, a u32 of 4 x 7 sign bits and ls
-        for s in range(U(8)):
-            aux = _u32(row, o + U(66) + U(4) * s)
-            signs = (KSIGNS[aux & U(127)] | (KSIGNS[(aux >> U(7)) & U(127)] << U(8))
-                     | (KSIGNS[(aux >> U(14)) & U(127)] << U(16)) | (KSIGNS[(aux >> U(21)) & U(127)] << U(24)))
-            q = o + U(2) + U(8) * s
-            g = GRID_IQ3_XXS
-            _expand32(v, U(32) * s, _pair(g, row[q], row[q + U(1)]), _pair(g, row[q + U(2)], row[q + U(3)]),
-                      _pair(g, row[q + U(4)], row[q + U(5)]), _pair(g, row[q + U(6)], row[q + U(7)]), signs)
-            ls[U(2) * s] = ls[U(2) * s + U(1)] = I32(aux >> U(28))
-    elif kind == 4:  # IQ3_S: grid byte + 1 high bit from qh, a sign byte per 8; ls per 32
-        for s in range(U(8)):
-            qh = U(row[o + U(66) + s])
-            q = o + U(2) + U(8) * s
-            g = GRID_IQ3_S
-            _expand32(v, U(32) * s,
-                      _pair(g, U(row[q]) | ((qh & U(1)) << U(8)), U(row[q + U(1)]) | (((qh >> U(1)) & U(1)) << U(8))),
-                      _pair(g, U(row[q + U(2)]) | (((qh >> U(2)) & U(1)) << U(8)),
-                            U(row[q + U(3)]) | (((qh >> U(3)) & U(1)) << U(8))),
-                      _pair(g, U(row[q + U(4)]) | (((qh >> U(4)) & U(1)) << U(8)),
-                            U(row[q + U(5)]) | (((qh >> U(5)) & U(1)) << U(8))),
-                      _pair(g, U(row[q + U(6)]) | (((qh >> U(6)) & U(1)) << U(8)), U(row[q + U(7)]) | ((qh >> U(7)) << U(8))),
-                      _u32(row, o + U(74) + U(4) * s))
-            sc = I32(row[o + U(106) + s // U(2)])
-            ls[U(2) * s] = ls[U(2) * s + U(1)] = (sc >> I32(U(4) * (s & U(1)))) & I32(15)
-    elif kind == 5:  # TQ1_0: digit n of byte q is (u8(q * 3^n) * 3) >> 8 (ggml's order of weights)
-        for n in range(5):
-            p = POW3[n]
-            for m in range(32):
-                v[U(32 * n + m)] = np.int8((((U(row[o + U(m)]) * p) & U(255)) * U(3)) >> U(8))
-            for m in range(16):
-                v[U(160 + 16 * n + m)] = np.int8((((U(row[o + U(32 + m)]) * p) & U(255)) * U(3)) >> U(8))
-        for n in range(4):
-            for m in range(4):
-                v[U(240 + 4 * n + m)] = np.int8((((U(row[o + U(48 + m)]) * POW3[n]) & U(255)) * U(3)) >> U(8))
-        ls[:] = I32(0)
-    elif kind == 9:  # IQ4_XS: codes through the 16-value table; ls holds the multiplier ls - 32
-        for s in range(U(8)):
-            q = o + U(8) + U(16) * s
-            for k in range(16):
-                c = row[q + U(k)]
-                v[U(32) * s + U(k)] = np.int8(KVALUES[c & U(15)])
-                v[U(32) * s + U(16 + k)] = np.int8(KVALUES[c >> U(4)])
-            ls[U(2) * s] = ls[U(2) * s + U(1)] = _xs_scale(row, o, s)
-        return f16_to_f32(row[o], row[o + U(1)])
-    elif kind == 7:  # IQ1_S: per 32, 4 grid bytes + 3 high bits each, ls and the delta's sign in qh
-        for s in range(U(8)):
-            hw = U(row[o + U(34) + U(2) * s]) | (U(row[o + U(35) + U(2) * s]) << U(8))
-            q = o + U(2) + U(4) * s
-            _expand32(v, U(32) * s, GRID_IQ1[U(row[q]) | ((hw & U(7)) << U(8))],
-                      GRID_IQ1[U(row[q + U(1)]) | (((hw >> U(3)) & U(7)) << U(8))],
-                      GRID_IQ1[U(row[q + U(2)]) | (((hw >> U(6)) & U(7)) << U(8))],
-                      GRID_IQ1[U(row[q + U(3)]) | (((hw >> U(9)) & U(7)) << U(8))], U(0))
-            neg = np.int8(-1 if hw >> U(15) else 1)
-            for k in range(32):
-                vd[U(32) * s + U(k)] = neg
-            ls[U(2) * s] = ls[U(2) * s + U(1)] = I32((hw >> U(12)) & U(7))
-        return f16_to_f32(row[o], row[o + U(1)])
-    elif kind == 8:  # IQ1_M: per 8, a grid byte, 3 high bits and the delta's sign in a qh nibble
-        for s in range(U(8)):
-            for g in range(U(4)):
-                nib = (U(row[o + U(32) + U(2) * s + (g >> U(1))]) >> (U(4) * (g & U(1)))) & U(15)
-                v8 = GRID_IQ1[U(row[o + U(4) * s + g]) | ((nib & U(7)) << U(8))]
-                _expand8(v, U(32) * s + U(8) * g, v8)
-                neg = np.int8(-1 if nib & U(8) else 1)
-                for k in range(8):
-                    vd[U(32) * s + U(8) * g + U(k)] = neg
-        for h in range(U(16)):
-            sc = U(row[o + U(48) + U(2) * (h >> U(2))]) | (U(row[o + U(49) + U(2) * (h >> U(2))]) << U(8))
-            ls[h] = I32((sc >> (U(3) * (h & U(3)))) & U(7))
-        d16 = U(0)
-        for k in range(U(4)):
-            d16 |= ((U(row[o + U(49) + U(2) * k]) >> U(4)) & U(15)) << (U(4) * k)
-        return f16_to_f32(np.uint8(d16 & U(255)), np.uint8(d16 >> U(8)))
-    else:  # TQ2_0: 2-bit codes, byte b of each 32 holds weights b, b + 32, b + 64, b + 96
-        for k in range(U(8)):
-            base = o + U(32) * (k >> U(2))
-            sh = U(2) * (k & U(3))
-            for b in range(U(32)):
-                v[U(32) * k + b] = np.int8((U(row[base + b]) >> sh) & U(3))
-        ls[:] = I32(0)
-    return f16_to_f32(row[o + U(D_AT[kind])], row[o + U(D_AT[kind] + 1)])
+    each weight's delta (+-1) into vd; returns d's float16 bits (d_of converts them)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_decode, inline="always")
+def _decode_of_kind(kind, row, o, v, ls, vd):
+    if not isinstance(kind, types.IntegerLiteral):
+        raise errors.TypingError("igrid._decode: kind must be a constant")
+    decode = _DECODERS[kind.literal_value]
+
+    def impl(kind, row, o, v, ls, vd):
+        return decode(row, o, v, ls, vd)
+    return impl
+
+
+@njit(inline="always")
+def _d_of(bits):
+    """float32 of float16 bits. Outside _decode's overload: Numba's inliner of overloads loses
+    variables set in branches or loops (hence the decoders' branch-free signs)."""
+    return f16_to_f32(np.uint8(bits & U(255)), np.uint8(bits >> U(8)))
 
 
 def _c64(v):
@@ -551,7 +622,7 @@ def _matvec_fused(kind, raw, xq, xd, out, grid):
 @njit(inline="always")
 def _decode_block(kind, row, o, v, ls, sc, vd):
     """_decode, plus the per-16 multipliers sc (int16 16: 2 ls + 1, 1 for TQ); returns d."""
-    d = _decode(kind, row, o, v, ls, vd)
+    d = _d_of(_decode(kind, row, o, v, ls, vd))
     for h in range(16):
         sc[h] = np.int16(ls[h] if kind == 9 else I32(2) * ls[h] + I32(1))
     return d
@@ -683,7 +754,7 @@ def _dequantize(kind, raw, out):
         ls = np.empty(16, I32)
         row, dst = raw[r], out[r]
         for j in range(U(out.shape[1] // 256)):
-            d = _decode(kind, row, j * size, v, ls, vd)
+            d = _d_of(_decode(kind, row, j * size, v, ls, vd))
             for h in range(16):
                 if kind == 7 or kind == 8:  # w = (d * (2 ls + 1)) * (grid + delta), delta = +-1/8
                     dl = d * F32(I32(2) * ls[h] + I32(1))
