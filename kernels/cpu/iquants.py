@@ -36,13 +36,13 @@ from numba.extending import intrinsic
 from edgellm.kernels.cpu.host import AVX2, F16C
 from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
 from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i16, i32, i8, llvm_fn, load_bytes, splat
+from edgellm.kernels.cpu.ir.iquants import IQ4_XS_BYTES, iq4_values, rowdot_iq4_xs
 from edgellm.quants import KVALUES_IQ4NL
 
 KVALUES = np.array(KVALUES_IQ4NL, np.int32)
 
 # Bytes per block, as the sum of its fields.
 IQ4_NL_BYTES = 2 + 16  # d | qs[16]
-IQ4_XS_BYTES = 2 + 2 + 4 + 128  # d | scales_h (u16) | scales_l[4] | qs[128]
 TILED_MIN = 8  # IQ4_XS batches from this many tokens on take llama.cpp's tiled order
 REPACK_ROWS = 8  # IQ4_NL matrices with a multiple of this many rows are repacked by llama.cpp
 
@@ -59,24 +59,9 @@ def _xs_scale(row, o, s):
 # The 16 code bytes become 32 int8 values with one byte shuffle (pshufb on the value table, as
 # ggml does), then |w| x sign(x, w) pair sums (pmaddubsw: |w| <= 127, |x| <= 127, so the pair sums
 # fit int16) and quad sums (pmaddwd): lane j = weights 4j .. 4j + 3, exact.
-def _iq4_values(builder, raw):
-    """<16 x i8> code bytes -> <32 x i8>: the values of the low nibbles, then of the high."""
-    nib = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(i8(16), [4] * 16)),
-                                 ir.Constant(i32(32), list(range(32))))
-    nib = builder.and_(nib, ir.Constant(i8(32), [15] * 32))
-    table = ir.Constant(i8(32), [int(v) for v in KVALUES] * 2)
-    if AVX2:
-        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pshuf.b", i8(32), [i8(32), i8(32)]), [table, nib])
-    vals = ir.Constant(i8(32), ir.Undefined)
-    for i in range(32):
-        idx = builder.extract_element(nib, ir.Constant(ir.IntType(32), i))
-        vals = builder.insert_element(vals, builder.extract_element(table, idx), ir.Constant(ir.IntType(32), i))
-    return vals
-
-
 def _iq4_quads(builder, raw, xv):
     """<8 x i32>: lane j = sum of value * x over weights 4j .. 4j + 3 of one block."""
-    w = _iq4_values(builder, raw)
+    w = iq4_values(builder, raw)
     if AVX2:
         u, s = abs_sign(builder, w, xv)
         pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [u, s])
@@ -185,22 +170,6 @@ def _rows8_iq4_nl(typingctx, w, w_off, rb, x, x_off, dx, acc):
             dvec = builder.insert_element(dvec, builder.fpext(half, ir.FloatType()), ir.Constant(ir.IntType(32), r))
         scale = builder.fmul(dvec, splat(builder, args[5], f8))
         _fma8_vec(context, builder, signature, builder.sitofp(_sum8(builder, quads), f8), scale, args[6], 6)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _quads_into(typingctx, w, w_off, x, x_off, scale, acc):
-    """acc[0:8] (int32) += scale * the block's eight quad sums (see _iq4_quads); exact."""
-    sig = types.none(w, types.uint64, x, types.uint64, types.int32, acc)
-
-    def codegen(context, builder, signature, args):
-        q = _block_quads(context, builder, signature, args)
-        q = builder.mul(q, splat(builder, args[4], i32(8)))
-        data = context.make_array(signature.args[5])(context, builder, args[5]).data
-        ptr = builder.bitcast(data, i32(8).as_pointer())
-        builder.store(builder.add(builder.load(ptr, align=4), q), ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -391,19 +360,9 @@ def matmul_iq4_nl(raw, xq, xd, xs, xm, out):
 
 # --- IQ4_XS row dot products (x: "q8_k" parts, token t's super-blocks at t * nb ...) ---------------
 @njit(inline="always")
-def row_iq4_xs_vec_dot(row, xq, xd, t, nb, acc, iq):
-    """ggml_vec_dot_iq4_xs_q8_K (AVX2): per super-block 8 integer lanes sum_s (ls_s - 32) * quad,
-    acc = fma(d_w * d_x, f32(lanes), acc) (8 lanes, scratch; iq: 8 int32 of scratch, zero);
-    hsum_float_8."""
-    for lane in range(8):
-        acc[lane] = F32(0.0)
-    for j in range(nb):
-        b = t * nb + j
-        o = j * U(IQ4_XS_BYTES)
-        for sb in range(U(8)):
-            _quads_into(row, o + U(8) + U(16) * sb, xq, b * U(256) + U(32) * sb, _xs_scale(row, o, sb), iq)
-        _fma_ints(load_f16(row, o) * xd[b], iq, acc)
-    return hsum8(acc)
+def row_iq4_xs_vec_dot(row, xq, xd, t, nb):
+    """ggml_vec_dot_iq4_xs_q8_K (AVX2), token t: see ir.iquants.rowdot_iq4_xs."""
+    return rowdot_iq4_xs(row, U(0), xq, t * nb * U(256), xd, t * nb, nb)
 
 
 @njit(inline="always")
@@ -446,9 +405,8 @@ def matvec_iq4_xs(raw, xq, xd, xs, xm, out):
     nb = U(xd.size)
     n = raw.shape[0]
     for c in prange((n + 15) // 16):
-        acc, iq = np.empty(8, F32), np.zeros(8, I32)
         for r in range(c * 16, min(c * 16 + 16, n)):
-            out[r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(0), nb, acc, iq)
+            out[r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(0), nb)
 
 
 @njit(**JIT)
@@ -463,7 +421,6 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
         return
     n4 = n_tok - n_tok % 4 if tiled else 0
     for c in prange((n_rows + 15) // 16):
-        acc, iq = np.empty(8, F32), np.zeros(8, I32)
         r1 = min(c * 16 + 16, n_rows)
         for t in range(0, n4, 4):
             for r in range(c * 16, r1):
@@ -474,7 +431,7 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
                 if tiled:
                     out[t, r] = row_iq4_xs_tiled(raw[r], xq, xd, U(t), nb)
                 else:
-                    out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb, acc, iq)
+                    out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb)
 
 
 # after this module's names are defined: igrid imports some of them

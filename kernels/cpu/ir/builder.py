@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from edgellm.kernels.cpu.host import AVX2, SOFTWARE_PREFETCH, VNNI, ZMM_VNNI
+from edgellm.kernels.cpu.host import AVX2, F16C, SOFTWARE_PREFETCH, VNNI, ZMM_VNNI
 
 I32_T = ir.IntType(32)
 
@@ -135,8 +135,27 @@ def load_vec(builder, base, offset, vec_type):
 
 
 def load_half(builder, base, offset):
+    """float32 of the IEEE half at base[offset] (bytes): one vcvtph2ps with F16C, else
+    common.f16_to_f32's integer steps (LLVM would call a runtime function Numba does not link)."""
     ptr = builder.bitcast(builder.gep(base, [offset]), ir.IntType(16).as_pointer())
-    return builder.fpext(builder.bitcast(builder.load(ptr, align=1), ir.HalfType()), F32_T)
+    h16 = builder.load(ptr, align=1)
+    if F16C:
+        return builder.fpext(builder.bitcast(h16, ir.HalfType()), F32_T)
+    i32_t = ir.IntType(32)
+
+    def c(v):
+        return ir.Constant(i32_t, v)
+
+    h = builder.zext(h16, i32_t)
+    bits = builder.shl(builder.and_(h, c(0x7FFF)), c(13))
+    exp = builder.and_(bits, c(0x0F800000))
+    bits = builder.add(bits, c(112 << 23))
+    bits = builder.add(bits, builder.select(builder.icmp_unsigned("==", exp, c(0x0F800000)), c(112 << 23), c(0)))
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    normal = builder.bitcast(builder.or_(bits, sign), F32_T)
+    sub = builder.fsub(builder.bitcast(builder.add(bits, c(1 << 23)), F32_T), builder.bitcast(c(113 << 23), F32_T))
+    sub = builder.select(builder.icmp_unsigned("!=", sign, c(0)), builder.fneg(sub), sub)
+    return builder.select(builder.icmp_unsigned("==", exp, c(0)), sub, normal)
 
 
 def fma(builder, a, b, c):
