@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 from edgellm.kernels.cpu import use_cache_dir
 from edgellm.kernels.cpu.host import F16C
 from edgellm.kernels.cpu.ir.builder import llvm_fn
+from edgellm.quants import KVALUES_IQ4NL
 
 # Every kernel module imports this one before defining its kernels: the disk cache is the folder of
 # this package's source digest however a module was reached (else a module imported directly would
@@ -330,3 +331,22 @@ def outlined(kernel):
         return sig, call
 
     return intrinsic(typer)
+
+
+# --- shared by the IQ families (iquants, igrid) ---------------------------------------------
+KVALUES = np.array(KVALUES_IQ4NL, np.int32)  # ggml's kvalues_iq4nl
+
+
+@njit(inline="always")
+def hsum8(a):
+    """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
+    r0, r1, r2, r3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
+    return (r0 + r2) + (r1 + r3)
+
+
+@njit(inline="always")
+def xs_scale(row, o, s):
+    """ls - 32 of sub-block s (0..7) of the IQ4_XS super-block at byte o."""
+    sh = I32(row[o + U(2)]) | (I32(row[o + U(3)]) << I32(8))
+    lo = (I32(row[o + U(4) + (s >> U(1))]) >> I32(4 * (s & U(1)))) & I32(15)
+    return (lo | (((sh >> I32(2 * s)) & I32(3)) << I32(4))) - I32(32)

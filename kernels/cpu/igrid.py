@@ -31,10 +31,9 @@ from numba import types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic, overload
 
-from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, njit, prange
+from edgellm.kernels.cpu.common import F32, I32, JIT, KVALUES, U, f16_to_f32, hsum8, njit, prange, xs_scale
 from edgellm.kernels.cpu.host import AVX2, ZMM_VNNI
-from edgellm.kernels.cpu.iquants import KVALUES, _fma_ints, _xs_scale, hsum8
-from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, i8, i16, i32, llvm_fn, load_vec, quad_sums,
+from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, fma_ints, i8, i16, i32, llvm_fn, load_vec, quad_sums,
                                              reduce4)
 
 TILED_MIN = 8  # batches from this many tokens on take llama.cpp's tiled order
@@ -264,7 +263,7 @@ def _decode_iq4_xs(row, o, v, ls, vd):
             c = row[q + U(k)]
             v[U(32) * s + U(k)] = np.int8(KVALUES[c & U(15)])
             v[U(32) * s + U(16 + k)] = np.int8(KVALUES[c >> U(4)])
-        ls[U(2) * s] = ls[U(2) * s + U(1)] = _xs_scale(row, o, s)
+        ls[U(2) * s] = ls[U(2) * s + U(1)] = xs_scale(row, o, s)
     return _u16(row, o)
 
 
@@ -615,7 +614,7 @@ def _matvec_fused(kind, raw, xq, xd, out, grid):
             for j in range(nb):
                 o = U(j) * size
                 _fused_lanes(kind, row, o, grid, KSIGNS8, xq, U(j) * U(256), iq)
-                _fma_ints(f16_to_f32(row[o], row[o + U(1)]) * xd[j], iq, acc)
+                fma_ints(f16_to_f32(row[o], row[o + U(1)]) * xd[j], iq, acc)
             out[0, r] = mult * hsum8(acc)
 
 
@@ -722,11 +721,11 @@ def _product(kind, raw, xq, xd, xs, out):
                     if kind == 5 or kind == 6:  # codes are weight + 1: less x's sums of 16
                         for k in range(8):
                             iq[k] -= xs[U(16) * b + U(2 * k)] + xs[U(16) * b + U(2 * k + 1)]
-                    _fma_ints(dw * xd[b], iq, acc[t])
+                    fma_ints(dw * xd[b], iq, acc[t])
                     if kind == 7 or kind == 8:  # the deltas' lanes (IQ1_M), or their sum (IQ1_S, ggml's scalar)
                         _lanes_block(vd, sc, xq, b * U(256), iq2)
                         if kind == 8:
-                            _fma_ints(dw * xd[b], iq2, acc2[t])
+                            fma_ints(dw * xd[b], iq2, acc2[t])
                         else:
                             s1 = I32(0)
                             for k in range(8):

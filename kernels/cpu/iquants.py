@@ -34,25 +34,16 @@ from numba import types
 from numba.extending import intrinsic
 
 from edgellm.kernels.cpu.host import AVX2, F16C
-from edgellm.kernels.cpu.common import F32, I32, JIT, U, f16_to_f32, load_f16, njit, prange
-from edgellm.kernels.cpu.ir.builder import abs_sign, fma32, i16, i32, i8, llvm_fn, load_bytes, splat
+from edgellm.kernels.cpu import igrid as _igrid
+from edgellm.kernels.cpu.common import F32, I32, JIT, KVALUES, U, f16_to_f32, hsum8, load_f16, njit, prange, xs_scale
+from edgellm.kernels.cpu.ir.builder import abs_sign, fma8, fma8_vec, fma32, i16, i32, i8, llvm_fn, load_bytes, splat
 from edgellm.kernels.cpu.ir.iquants import IQ4_XS_BYTES, iq4_values, rowdot_iq4_xs
-from edgellm.quants import KVALUES_IQ4NL
 
-KVALUES = np.array(KVALUES_IQ4NL, np.int32)
 
 # Bytes per block, as the sum of its fields.
 IQ4_NL_BYTES = 2 + 16  # d | qs[16]
 TILED_MIN = 8  # IQ4_XS batches from this many tokens on take llama.cpp's tiled order
 REPACK_ROWS = 8  # IQ4_NL matrices with a multiple of this many rows are repacked by llama.cpp
-
-
-@njit(inline="always")
-def _xs_scale(row, o, s):
-    """ls - 32 of sub-block s (0..7) of the IQ4_XS super-block at byte o."""
-    sh = I32(row[o + U(2)]) | (I32(row[o + U(3)]) << I32(8))
-    lo = (I32(row[o + U(4) + (s >> U(1))]) >> I32(4 * (s & U(1)))) & I32(15)
-    return (lo | (((sh >> I32(2 * s)) & I32(3)) << I32(4))) - I32(32)
 
 
 # --- one 32-weight block's integer products, as LLVM vector IR ---------------------------------
@@ -94,43 +85,13 @@ def _dot32(typingctx, w, w_off, x, x_off):
     return sig, codegen
 
 
-def _fma8_vec(context, builder, signature, a, b, acc_arg, acc_index):
-    """acc[0:8] = fma(a, b, acc) (<8 x float> a, b; float32 lanes, one rounding each)."""
-    f8 = ir.VectorType(ir.FloatType(), 8)
-    data = context.make_array(signature.args[acc_index])(context, builder, acc_arg).data
-    ptr = builder.bitcast(data, f8.as_pointer())
-    fma = llvm_fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
-    builder.store(builder.call(fma, [a, b, builder.load(ptr, align=4)]), ptr, align=4)
-
-
-def _fma8(context, builder, signature, d, ints, acc_arg, acc_index):
-    """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
-    f8 = ir.VectorType(ir.FloatType(), 8)
-    _fma8_vec(context, builder, signature, splat(builder, d, f8), builder.sitofp(ints, f8), acc_arg, acc_index)
-
-
 @intrinsic
 def _fma_quads(typingctx, w, w_off, x, x_off, d, acc):
     """acc[0:8] (float32) = fma(d, f32(the block's eight quad sums), acc), lane by lane."""
     sig = types.none(w, types.uint64, x, types.uint64, types.float32, acc)
 
     def codegen(context, builder, signature, args):
-        _fma8(context, builder, signature, args[4], _block_quads(context, builder, signature, args), args[5], 5)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _fma_ints(typingctx, d, iq, acc):
-    """acc[0:8] (float32) = fma(d, f32(iq[0:8]), acc) lane by lane; iq (int32) set to zero."""
-    sig = types.none(types.float32, iq, acc)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[1])(context, builder, args[1]).data
-        ptr = builder.bitcast(data, i32(8).as_pointer())
-        _fma8(context, builder, signature, args[0], builder.load(ptr, align=4), args[2], 2)
-        builder.store(ir.Constant(i32(8), [0] * 8), ptr, align=4)
+        fma8(context, builder, signature, args[4], _block_quads(context, builder, signature, args), args[5], 5)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -169,17 +130,10 @@ def _rows8_iq4_nl(typingctx, w, w_off, rb, x, x_off, dx, acc):
                                    ir.HalfType())
             dvec = builder.insert_element(dvec, builder.fpext(half, ir.FloatType()), ir.Constant(ir.IntType(32), r))
         scale = builder.fmul(dvec, splat(builder, args[5], f8))
-        _fma8_vec(context, builder, signature, builder.sitofp(_sum8(builder, quads), f8), scale, args[6], 6)
+        fma8_vec(context, builder, signature, builder.sitofp(_sum8(builder, quads), f8), scale, args[6], 6)
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@njit(inline="always")
-def hsum8(a):
-    """ggml's hsum_float_8: ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))."""
-    r0, r1, r2, r3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
-    return (r0 + r2) + (r1 + r3)
 
 
 # --- dequantize ----------------------------------------------------------------------------
@@ -204,7 +158,7 @@ def dequantize_iq4_xs(raw, out, lanes):
             o, w = b * U(IQ4_XS_BYTES), b * U(256)
             d = f16_to_f32(row[o], row[o + U(1)])
             for s in range(U(8)):
-                dl = d * F32(_xs_scale(row, o, s))
+                dl = d * F32(xs_scale(row, o, s))
                 q = o + U(8) + U(16) * s
                 for j in range(lanes):
                     c = row[q + j]
@@ -370,7 +324,7 @@ def _s1_iq4_xs(row, o, xq, x):
     """The exact scaled integer sum of one IQ4_XS super-block (at byte o) with x at xq[x:]."""
     s1 = I32(0)
     for sb in range(U(8)):
-        s1 += _xs_scale(row, o, sb) * _dot32(row, o + U(8) + U(16) * sb, xq, x + U(32) * sb)
+        s1 += xs_scale(row, o, sb) * _dot32(row, o + U(8) + U(16) * sb, xq, x + U(32) * sb)
     return s1
 
 
@@ -433,9 +387,6 @@ def matmul_iq4_xs(raw, xq, xd, xs, xm, out):
                 else:
                     out[t, r] = row_iq4_xs_vec_dot(raw[r], xq, xd, U(t), nb)
 
-
-# after this module's names are defined: igrid imports some of them
-from edgellm.kernels.cpu import igrid as _igrid
 
 KERNELS = {
     GGMLType.IQ4_NL: (dequantize_iq4_nl, matvec_iq4_nl),

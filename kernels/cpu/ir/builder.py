@@ -80,6 +80,36 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
+def fma8_vec(context, builder, signature, a, b, acc_arg, acc_index):
+    """acc[0:8] = fma(a, b, acc) (<8 x float> a, b; float32 lanes, one rounding each)."""
+    f8 = ir.VectorType(ir.FloatType(), 8)
+    data = context.make_array(signature.args[acc_index])(context, builder, acc_arg).data
+    ptr = builder.bitcast(data, f8.as_pointer())
+    fma = llvm_fn(builder, "llvm.fma.v8f32", f8, [f8, f8, f8])
+    builder.store(builder.call(fma, [a, b, builder.load(ptr, align=4)]), ptr, align=4)
+
+
+def fma8(context, builder, signature, d, ints, acc_arg, acc_index):
+    """acc[0:8] = fma(d, f32(ints), acc) (float32 lanes, one rounding each)."""
+    f8 = ir.VectorType(ir.FloatType(), 8)
+    fma8_vec(context, builder, signature, splat(builder, d, f8), builder.sitofp(ints, f8), acc_arg, acc_index)
+
+
+@intrinsic
+def fma_ints(typingctx, d, iq, acc):
+    """acc[0:8] (float32) = fma(d, f32(iq[0:8]), acc) lane by lane; iq (int32) set to zero."""
+    sig = types.none(types.float32, iq, acc)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        ptr = builder.bitcast(data, i32(8).as_pointer())
+        fma8(context, builder, signature, args[0], builder.load(ptr, align=4), args[2], 2)
+        builder.store(ir.Constant(i32(8), [0] * 8), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def vec_ptr(builder, base, offset):
     return builder.bitcast(builder.gep(base, [offset]), ir.VectorType(ir.FloatType(), 8).as_pointer())
 
