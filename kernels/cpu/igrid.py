@@ -32,9 +32,9 @@ from numba.core import cgutils, errors
 from numba.extending import intrinsic, overload
 
 from edgellm.kernels.cpu.common import F32, I32, JIT, KVALUES, U, f16_to_f32, hsum8, njit, prange, xs_scale
-from edgellm.kernels.cpu.host import AVX2, ZMM_VNNI
-from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, fma_ints, i8, i16, i32, llvm_fn, load_vec, quad_sums,
-                                             reduce4)
+from edgellm.kernels.cpu.host import ZMM_VNNI
+from edgellm.kernels.cpu.ir.builder import (abs_sign, array_ptr, fma32, fma_ints, i8, i16, i32, llvm_fn, load_vec, madd16,
+                                             maddubs16, reduce4, splat)
 
 TILED_MIN = 8  # batches from this many tokens on take llama.cpp's tiled order
 # batches multiply int16 weights-times-multipliers with x by vpdpwssd where 512-bit VNNI exists
@@ -306,28 +306,18 @@ def _scaled_quads(builder, xv, w, sc_pair):
     (unsigned), w signed (|w| <= 62, so pmaddubsw's pair sums fit int16), sc the sub-block's two
     per-16 multipliers (<2 x i16>: lanes 0-3, lanes 4-7)."""
     xb = builder.xor(xv, ir.Constant(i8(32), [-128] * 32))
-    if AVX2:
-        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [xb, w])
-        scale = builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(16), [0] * 8 + [1] * 8))
-        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
-    prod = builder.mul(builder.zext(xb, i32(32)), builder.sext(w, i32(32)))
-    quads = None
-    for k in range(4):
-        part = builder.shuffle_vector(prod, prod, ir.Constant(i32(8), [4 * j + k for j in range(8)]))
-        quads = part if quads is None else builder.add(quads, part)
-    scale = builder.sext(builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(8), [0] * 4 + [1] * 4)), i32(8))
-    return builder.mul(quads, scale)
+    return madd16(builder, maddubs16(builder, xb, w), _pair_scales(builder, sc_pair))
 
 
 def _signed_quads(builder, xv, w, sc_pair):
     """_scaled_quads with x as is: |w| times x * sign(w)."""
     u, sx = abs_sign(builder, w, xv)
-    if AVX2:
-        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [u, sx])
-        scale = builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(16), [0] * 8 + [1] * 8))
-        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
-    scale = builder.sext(builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(8), [0] * 4 + [1] * 4)), i32(8))
-    return builder.mul(quad_sums(builder, u, sx), scale)
+    return madd16(builder, maddubs16(builder, u, sx), _pair_scales(builder, sc_pair))
+
+
+def _pair_scales(builder, sc_pair):
+    """<16 x i16>: the first multiplier for lanes 0-7 (weights 0-15), the second for 8-15."""
+    return builder.shuffle_vector(sc_pair, sc_pair, ir.Constant(i32(16), [0] * 8 + [1] * 8))
 
 
 def _block_raw(context, builder, sig_args, args, x_off, quads=_scaled_quads):
@@ -526,14 +516,7 @@ def _sign_x(builder, xv, signs32):
 
 def _mag_quads(builder, mag, sx, mul):
     """<8 x i32>: mul (i32) times the quad sums of mag (unsigned grid magnitudes) * sx."""
-    if AVX2:
-        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [mag, sx])
-        scale = builder.insert_element(ir.Constant(i16(16), ir.Undefined), builder.trunc(mul, ir.IntType(16)),
-                                       ir.Constant(ir.IntType(32), 0))
-        scale = builder.shuffle_vector(scale, scale, ir.Constant(i32(16), [0] * 16))
-        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, scale])
-    splat = builder.insert_element(ir.Constant(i32(8), ir.Undefined), mul, ir.Constant(ir.IntType(32), 0))
-    return builder.mul(quad_sums(builder, mag, sx), builder.shuffle_vector(splat, splat, ir.Constant(i32(8), [0] * 8)))
+    return madd16(builder, maddubs16(builder, mag, sx), splat(builder, builder.trunc(mul, ir.IntType(16)), i16(16)))
 
 
 @intrinsic

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 from edgellm.kernels.cpu.host import AVX2, F16C
 from edgellm.kernels.cpu import igrid as _igrid
 from edgellm.kernels.cpu.common import F32, I32, JIT, KVALUES, U, f16_to_f32, hsum8, load_f16, njit, prange, xs_scale
-from edgellm.kernels.cpu.ir.builder import abs_sign, fma8, fma8_vec, fma32, i16, i32, i8, llvm_fn, load_bytes, splat
+from edgellm.kernels.cpu.ir.builder import abs_sign, fma8, fma8_vec, fma32, i32, i8, llvm_fn, load_bytes, quad_sums, splat
 from edgellm.kernels.cpu.ir.iquants import IQ4_XS_BYTES, iq4_values, rowdot_iq4_xs
 
 
@@ -52,18 +52,7 @@ REPACK_ROWS = 8  # IQ4_NL matrices with a multiple of this many rows are repacke
 # fit int16) and quad sums (pmaddwd): lane j = weights 4j .. 4j + 3, exact.
 def _iq4_quads(builder, raw, xv):
     """<8 x i32>: lane j = sum of value * x over weights 4j .. 4j + 3 of one block."""
-    w = iq4_values(builder, raw)
-    if AVX2:
-        u, s = abs_sign(builder, w, xv)
-        pairs = builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", i16(16), [i8(32), i8(32)]), [u, s])
-        ones = ir.Constant(i16(16), [1] * 16)
-        return builder.call(llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", i32(8), [i16(16), i16(16)]), [pairs, ones])
-    prod = builder.mul(builder.sext(w, i32(32)), builder.sext(xv, i32(32)))
-    quads = None
-    for k in range(4):
-        part = builder.shuffle_vector(prod, prod, ir.Constant(i32(8), [4 * j + k for j in range(8)]))
-        quads = part if quads is None else builder.add(quads, part)
-    return quads
+    return quad_sums(builder, *abs_sign(builder, iq4_values(builder, raw), xv))
 
 
 def _block_quads(context, builder, signature, args):
